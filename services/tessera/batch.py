@@ -1,0 +1,105 @@
+"""StepPlan -> ForwardBatch: the one place where the scheduler's plain data becomes tensors.
+
+Tokens of all scheduled requests are flattened into one [T] sequence. Attention runs in two
+groups: decode requests (one new token each) as one padded batch over their block tables,
+and prefill chunks one by one (a chunk that starts at position 0 attends to itself only).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tessera.scheduler import StepPlan
+
+
+@dataclass
+class PrefillChunk:
+    token_start: int      # index of the chunk's first token in the flattened batch
+    num_tokens: int
+    start_pos: int        # position of its first token in the request
+    context_slots: torch.Tensor | None  # [start_pos + num_tokens] cache slots, None if start_pos == 0
+    mask: torch.Tensor | None  # [num_tokens, start_pos + num_tokens] bool causal mask with offset
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor        # [T] int64
+    positions: torch.Tensor        # [T] int64
+    slot_mapping: torch.Tensor     # [T] int64: where each token's K/V is written
+    decode_token_idx: torch.Tensor  # [B] int64: which of the T tokens are decode tokens
+    decode_slots: torch.Tensor     # [B, L] int64: cache slots of each decode request's context
+    decode_mask: torch.Tensor      # [B, 1, 1, L] bool: True where the slot is in the context
+    prefills: list[PrefillChunk]
+    logits_idx: torch.Tensor       # [S] int64: tokens whose logits are sampled
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def build_forward_batch(plan: StepPlan, block_size: int) -> ForwardBatch:
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    decode_idx: list[int] = []
+    decode_tables: list[tuple[int, ...]] = []
+    decode_lens: list[int] = []
+    prefills: list[PrefillChunk] = []
+    logits_idx: list[int] = []
+    for entry in plan.scheduled:
+        start = len(input_ids)
+        n = len(entry.token_ids)
+        input_ids.extend(entry.token_ids)
+        table = entry.block_table
+        for pos in range(entry.start_pos, entry.start_pos + n):
+            positions.append(pos)
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+        if n == 1 and entry.start_pos > 0:
+            decode_idx.append(start)
+            decode_tables.append(table)
+            decode_lens.append(entry.start_pos + 1)
+        else:
+            prefills.append(_prefill_chunk(start, n, entry.start_pos, table, block_size))
+        if entry.sample:
+            logits_idx.append(start + n - 1)
+    decode_slots, decode_mask = _decode_context(decode_tables, decode_lens, block_size)
+    return ForwardBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.long),
+        positions=torch.tensor(positions, dtype=torch.long),
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        decode_token_idx=torch.tensor(decode_idx, dtype=torch.long),
+        decode_slots=decode_slots,
+        decode_mask=decode_mask,
+        prefills=prefills,
+        logits_idx=torch.tensor(logits_idx, dtype=torch.long),
+        block_size=block_size,
+    )
+
+
+def _slots(table: tuple[int, ...], num_blocks: int, block_size: int) -> torch.Tensor:
+    blocks = torch.tensor(table[:num_blocks], dtype=torch.long)
+    return (blocks[:, None] * block_size + torch.arange(block_size)).reshape(-1)
+
+
+def _prefill_chunk(start: int, n: int, start_pos: int, table: tuple[int, ...],
+                   block_size: int) -> PrefillChunk:
+    if start_pos == 0:
+        return PrefillChunk(start, n, 0, None, None)
+    length = start_pos + n
+    slots = _slots(table, -(-length // block_size), block_size)[:length]
+    mask = torch.arange(length)[None, :] <= torch.arange(start_pos, length)[:, None]
+    return PrefillChunk(start, n, start_pos, slots, mask)
+
+
+def _decode_context(tables: list[tuple[int, ...]], lens: list[int],
+                    block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad every decode request's context to the longest one; the mask hides the padding."""
+    width = max((-(-n // block_size) for n in lens), default=0)
+    padded = [list(t[:width]) + [0] * (width - min(len(t), width)) for t in tables]
+    blocks = torch.tensor(padded, dtype=torch.long).reshape(len(tables), width)
+    slots = (blocks[:, :, None] * block_size + torch.arange(block_size)).reshape(len(tables), -1)
+    lens_t = torch.tensor(lens, dtype=torch.long)
+    mask = torch.arange(slots.shape[1])[None, :] < lens_t[:, None]
+    return slots, mask[:, None, None, :]

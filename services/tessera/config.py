@@ -1,0 +1,104 @@
+"""Frozen configuration dataclasses, validated on construction.
+
+Every process builds its runtime from these; the CLI maps its flags onto their fields.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A configuration or request parameter is invalid; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling; temperature 0 means greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.temperature >= 0.0, "temperature", "must be >= 0"),
+            (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
+            (self.top_k >= 0, "top_k", "must be >= 0 (0 disables it)"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
+            (self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0"),
+            (self.max_tokens >= 1, "max_tokens", "must be >= 1"),
+            (self.min_tokens >= 0, "min_tokens", "must be >= 0"),
+            (self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+        ]
+        for ok, name, why in checks:
+            if not ok:
+                raise ConfigError(f"{name} {why}")
+        if any(not s for s in self.stop):
+            raise ConfigError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: fixed-size blocks; num_blocks None = sized from kv_cache_gib."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_gib: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError("block_size must be a positive power of two")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ConfigError("num_blocks must be > 0")
+        if self.kv_cache_gib <= 0:
+            raise ConfigError("kv_cache_gib must be > 0")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits: tokens per step (chunked prefill) and running requests."""
+
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_waiting: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
+            raise ConfigError("max_num_batched_tokens and max_num_seqs must be > 0")
+        if self.max_waiting < 0:
+            raise ConfigError("max_waiting must be >= 0")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "smollm2"
+    dtype: str = "bfloat16"
+    max_model_len: int | None = None
+    num_threads: int | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError("dtype must be float32 or bfloat16")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ConfigError("max_model_len must be > 0")

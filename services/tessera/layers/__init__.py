@@ -1,0 +1,1 @@
+"""Building blocks shared by every architecture: norm, rope, attention, MoE."""

@@ -1,0 +1,49 @@
+"""Mixture of experts: a router picks top-k experts per token; experts are SwiGLU MLPs.
+
+Router and experts are separate modules because an attention node runs the router and sends
+each token to the expert nodes that own its experts (MegaScale-Infer); in one process they
+are simply called one after the other: y = sum_k w_k * expert_{e_k}(x).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Router(nn.Module):
+    def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (expert ids [T, k] int64, weights [T, k] in x's dtype)."""
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights.to(x.dtype)
+
+
+class Experts(nn.Module):
+    """Experts first..first+count-1 of a layer, stacked: gate_up [E, 2I, H], down [E, H, I]."""
+
+    def __init__(self, hidden: int, intermediate: int, count: int, first: int = 0) -> None:
+        super().__init__()
+        self.first = first
+        self.gate_up = nn.Parameter(torch.empty(count, 2 * intermediate, hidden), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(count, hidden, intermediate), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Sum of w * expert(x) over each token's chosen experts that this module owns."""
+        out = torch.zeros_like(x)
+        local = ids - self.first
+        owned = (local >= 0) & (local < self.gate_up.shape[0])
+        for e in torch.unique(local[owned]).tolist():
+            token, slot = torch.where(local == e)
+            gate, up = F.linear(x[token], self.gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down[e])
+            out.index_add_(0, token, y * weights[token, slot, None])
+        return out

@@ -1,0 +1,164 @@
+"""Llama family (Llama, Mistral, Qwen2, SmolLM2): a decoder layer is
+    h   = x + attention(rms_norm(x))
+    out = h + ffn(rms_norm(h))
+The attention half and the FFN half are separate modules so that an attention node and an
+expert node can each build only theirs; MoE models (mixtral.py, qwen_moe.py) reuse this file
+and swap the FFN half.
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+import torch
+from torch import nn
+
+from tessera.batch import ForwardBatch
+from tessera.layers.attention import paged_attention
+from tessera.layers.mlp import SwiGLU
+from tessera.layers.norm import RMSNorm
+from tessera.layers.rope import RotaryEmbedding
+from tessera.models.model_config import ModelConfig
+
+
+class LlamaAttention(nn.Module):
+    """The attention half: norm, fused QKV, RoPE, paged attention, output projection."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_rows, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor],
+                rope: RotaryEmbedding) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = self.qkv_proj(self.norm(x))
+        q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                             self.num_kv_heads * self.head_dim], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(batch.positions, q, k)
+        o = paged_attention(q, k, v, kv[0], kv[1], batch, self.scale)
+        return self.o_proj(o.reshape(T, -1))
+
+
+class LlamaFFN(nn.Module):
+    """The dense FFN half: norm, then SwiGLU."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.norm(h))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, attn: nn.Module, ffn: nn.Module) -> None:
+        super().__init__()
+        self.attn = attn
+        self.ffn = ffn
+
+
+FFNFactory = Callable[[ModelConfig, int], nn.Module]
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm, LM head. kv_caches[i] = (k, v) of layer i."""
+
+    def __init__(self, cfg: ModelConfig, make_ffn: FFNFactory = LlamaFFN) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(LlamaAttention(cfg), make_ffn(cfg, i)) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+
+    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+                ) -> torch.Tensor:
+        """Hidden states after the final norm, for the tokens in batch.logits_idx."""
+        x = self.embed_tokens(batch.input_ids)
+        for layer, kv in zip(self.layers, kv_caches):
+            h = x + layer.attn(x, batch, kv, self.rope)
+            x = h + layer.ffn(h)
+        return self.norm(x[batch.logits_idx])
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def weight_rules(self) -> list[Rule]:
+        """How HF tensor names map onto our parameters (see match_rules)."""
+        return _llama_rules(self.config) + _ffn_rules(self.config)
+
+    @property
+    def params(self) -> dict[str, torch.Tensor]:
+        return {n: p.data for n, p in self.named_parameters(remove_duplicate=False)}
+
+
+View = Callable[[torch.Tensor, re.Match], torch.Tensor | None]
+Rule = tuple[str, str, View | None]
+
+
+def rows(start: int, size: int) -> View:
+    return lambda p, m: p.narrow(0, start, size)
+
+
+def _llama_rules(cfg: ModelConfig) -> list[Rule]:
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layer = r"model\.layers\.(\d+)\."
+    return [
+        (r"model\.embed_tokens\.weight", "embed_tokens.weight", None),
+        (r"model\.norm\.weight", "norm.weight", None),
+        (r"lm_head\.weight", "lm_head.weight", None),
+        (layer + r"input_layernorm\.weight", r"layers.\1.attn.norm.weight", None),
+        (layer + r"self_attn\.q_proj\.(weight|bias)", r"layers.\1.attn.qkv_proj.\2", rows(0, q)),
+        (layer + r"self_attn\.k_proj\.(weight|bias)", r"layers.\1.attn.qkv_proj.\2", rows(q, kv)),
+        (layer + r"self_attn\.v_proj\.(weight|bias)", r"layers.\1.attn.qkv_proj.\2",
+         rows(q + kv, kv)),
+        (layer + r"self_attn\.o_proj\.(weight|bias)", r"layers.\1.attn.o_proj.\2", None),
+        (layer + r"self_attn\.(q_norm|k_norm)\.weight", r"layers.\1.attn.\2.weight", None),
+        (layer + r"post_attention_layernorm\.weight", r"layers.\1.ffn.norm.weight", None),
+    ]
+
+
+def _ffn_rules(cfg: ModelConfig) -> list[Rule]:
+    return swiglu_rules(r"model\.layers\.(\d+)\.mlp\.", r"layers.\1.ffn.mlp.", cfg.intermediate_size)
+
+
+def swiglu_rules(src: str, dst: str, i: int) -> list[Rule]:
+    """HF gate_proj/up_proj/down_proj into our fused gate_up_proj and down_proj."""
+    return [
+        (src + r"gate_proj\.weight", dst + "gate_up_proj.weight", rows(0, i)),
+        (src + r"up_proj\.weight", dst + "gate_up_proj.weight", rows(i, i)),
+        (src + r"down_proj\.weight", dst + "down_proj.weight", None),
+    ]
+
+
+def match_rules(params: dict[str, torch.Tensor], name: str, rules: list[Rule]
+                ) -> tuple[str, torch.Tensor] | None:
+    """(our parameter name, the view to copy into) for HF tensor `name`; None: not held here."""
+    for pattern, target, view in rules:
+        m = re.fullmatch(pattern, name)
+        if m is None:
+            continue
+        param_name = m.expand(target)
+        param = params.get(param_name)
+        if param is None:
+            return None
+        dest = param if view is None else view(param, m)
+        return None if dest is None else (param_name, dest)
+    raise KeyError(f"unexpected tensor {name} in checkpoint")

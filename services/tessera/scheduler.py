@@ -1,0 +1,132 @@
+"""Continuous-batching scheduler (plain Python, no torch).
+
+One rule, as in vLLM v1: each step, every scheduled request computes
+num_tokens - num_computed_tokens of its tokens, capped by a per-step token budget (chunked
+prefill). Running requests go first, oldest first; when KV blocks run out the newest running
+request is preempted by recompute (blocks freed, num_computed_tokens reset to 0, back to the
+front of the queue). Waiting requests are admitted only in steps that preempted nothing.
+The output is a StepPlan: plain, serializable data that the model runner turns into tensors.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from tessera.config import SchedulerConfig
+from tessera.kv_cache import KVCacheManager
+from tessera.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request_id: str
+    token_ids: tuple[int, ...]     # the tokens to compute this step
+    start_pos: int                 # position of token_ids[0]
+    block_table: tuple[int, ...]
+    sample: bool                   # True when this chunk reaches the end of the request
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    scheduled: tuple[ScheduledRequest, ...]
+    preempted: tuple[str, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id}")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Remove a request (finished or aborted) and return every block it held at once."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv.free(request_id)
+        return request
+
+    def schedule(self) -> StepPlan:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, n, preempted):
+                break
+            scheduled.append(self._entry(request, n))
+            budget -= n
+            i += 1
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv.allocate(request.request_id, request.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(self._entry(request, n))
+            budget -= n
+        return StepPlan(tuple(scheduled), tuple(preempted))
+
+    def _allocate_or_preempt(self, request: Request, n: int, preempted: list[str]) -> bool:
+        """Grow the request's blocks, preempting the newest running requests until it fits."""
+        while not self.kv.allocate(request.request_id, request.num_computed_tokens + n):
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def _entry(self, request: Request, n: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=tuple(request.all_token_ids[start:start + n]),
+            start_pos=start,
+            block_table=tuple(self.kv.block_tables[request.request_id]),
+            sample=start + n == request.num_tokens,
+        )
+
+    def on_step_done(self, plan: StepPlan) -> None:
+        """Advance num_computed_tokens of every request the plan computed."""
+        for entry in plan.scheduled:
+            request = self.requests.get(entry.request_id)
+            if request is not None:
+                request.num_computed_tokens += len(entry.token_ids)
