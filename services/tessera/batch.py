@@ -99,7 +99,7 @@ def _decode_context(tables: list[tuple[int, ...]], lens: list[int],
     width = max((-(-n // block_size) for n in lens), default=0)
     padded = [list(t[:width]) + [0] * (width - min(len(t), width)) for t in tables]
     blocks = torch.tensor(padded, dtype=torch.long).reshape(len(tables), width)
-    slots = (blocks[:, :, None] * block_size + torch.arange(block_size)).reshape(len(tables), -1)
+    slots = (blocks[:, :, None] * block_size + torch.arange(block_size)).reshape(len(tables), width * block_size)
     lens_t = torch.tensor(lens, dtype=torch.long)
     mask = torch.arange(slots.shape[1])[None, :] < lens_t[:, None]
     return slots, mask[:, None, None, :]

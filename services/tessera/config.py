@@ -91,14 +91,14 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     max_model_len: int | None = None
     num_threads: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ConfigError("dtype must be float32 or bfloat16")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ConfigError("dtype must be auto, float32 or bfloat16")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError("max_model_len must be > 0")

@@ -1,0 +1,187 @@
+"""The engine loop: schedule -> run -> postprocess, synchronous and single-threaded.
+
+add_request() validates and queues; step() runs one scheduler step and returns a
+RequestOutput (new tokens, new text, logprobs, finish reason) for every request that
+produced something. abort() frees a request's blocks at once.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from tessera.config import ConfigError, EngineConfig, SamplingParams
+from tessera.detokenizer import IncrementalDetokenizer
+from tessera.kv_cache import KVCacheManager
+from tessera.model_runner import ModelRunner, kv_bytes_per_block
+from tessera.models.loader import load_model, model_id_for
+from tessera.request import Request, RequestStatus
+from tessera.sampler import SampleResult, SamplingBatch, sample
+from tessera.scheduler import Scheduler
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    logprobs: list[TokenLogprob]
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """'auto' picks bfloat16 where the CPU multiplies it natively (AMX or AVX512-BF16), else float32."""
+    if name == "auto":
+        flags = open("/proc/cpuinfo").read() if _has_cpuinfo() else ""
+        name = "bfloat16" if ("amx_bf16" in flags or "avx512_bf16" in flags) else "float32"
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def _has_cpuinfo() -> bool:
+    import os
+    return os.path.exists("/proc/cpuinfo")
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, model=None, tokenizer=None) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.dtype = resolve_dtype(config.dtype)
+        if model is None:
+            model, _ = load_model(config.model, self.dtype)
+        if tokenizer is None:
+            from tessera.tokenizer import load_tokenizer
+            tokenizer = load_tokenizer(config.model)
+        self.model_config = model.config
+        self.model_id = model_id_for(config.model)
+        self.tokenizer = tokenizer
+        limit = self.model_config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        if config.max_model_len and config.max_model_len > limit:
+            raise ConfigError(f"max_model_len {config.max_model_len} exceeds the model's {limit}")
+        cache = config.cache
+        per_block = kv_bytes_per_block(self.model_config, cache.block_size, self.dtype)
+        num_blocks = cache.num_blocks or max(1, int(cache.kv_cache_gib * 2**30 // per_block))
+        self.kv = KVCacheManager(num_blocks, cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.runner = ModelRunner(model, num_blocks, cache.block_size)
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
+            {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self._default_generator = torch.Generator().manual_seed(0)
+        self._ids = itertools.count()
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams,
+                    request_id: str | None = None) -> str:
+        request_id = request_id or f"req-{next(self._ids)}"
+        self.validate(len(prompt_token_ids), sampling)
+        if any(not 0 <= t < self.model_config.vocab_size for t in prompt_token_ids):
+            raise ConfigError("prompt token ids must be in [0, vocab_size)")
+        if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
+            raise EngineError("the engine queue is full")
+        request = Request(request_id, list(prompt_token_ids), sampling, self.eos_token_ids)
+        self.scheduler.add(request)
+        self._detok[request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, sampling.stop, sampling.include_stop_str_in_output)
+        if sampling.seed is not None:
+            self._generators[request_id] = torch.Generator().manual_seed(sampling.seed)
+        return request_id
+
+    def validate(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
+        """Raise ConfigError when the request can never run here."""
+        if num_prompt_tokens == 0:
+            raise ConfigError("the prompt is empty")
+        total = num_prompt_tokens + sampling.max_tokens
+        if total > self.max_model_len:
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {total} tokens ({num_prompt_tokens} in the messages, "
+                f"{sampling.max_tokens} in the completion). Please reduce the length of the "
+                "messages or completion.")
+        if self.kv.blocks_for(total) > self.kv.num_blocks:
+            raise ContextLengthError(f"{total} tokens do not fit in the KV cache of this worker")
+
+    def abort(self, request_id: str) -> bool:
+        request = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
+        self._forget(request_id)
+        return request is not None
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return []
+        logits = self.runner.execute(plan)
+        self.scheduler.on_step_done(plan)
+        requests = [self.scheduler.requests[e.request_id] for e in plan.scheduled if e.sample]
+        result = sample(logits, self._sampling_batch(requests), self._default_generator)
+        return [self._postprocess(r, i, result) for i, r in enumerate(requests)]
+
+    def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
+        banned = []
+        for r in requests:
+            sp = r.sampling
+            early = r.num_output_tokens < sp.min_tokens
+            banned.append(tuple(sp.stop_token_ids) + tuple(self.eos_token_ids) if early else ())
+        return SamplingBatch(
+            params=[r.sampling for r in requests],
+            output_ids=[r.output_token_ids for r in requests],
+            prompt_ids=[r.prompt_token_ids for r in requests],
+            generators=[self._generators.get(r.request_id) for r in requests],
+            banned_ids=banned)
+
+    def _postprocess(self, request: Request, row: int, result: SampleResult) -> RequestOutput:
+        token = result.token_ids[row]
+        request.append_output(token)
+        detok = self._detok[request.request_id]
+        status = RequestStatus.FINISHED_STOPPED if detok.append(token) else request.check_stop_token()
+        logprobs = []
+        if request.sampling.logprobs is not None:
+            k = request.sampling.logprobs
+            top = list(zip(result.top_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist())) if k else []
+            logprobs.append(TokenLogprob(token, float(result.logprobs[row]), top))
+        if status is not None:
+            self.scheduler.finish(request.request_id, status)
+            self._forget(request.request_id)
+        return RequestOutput(
+            request_id=request.request_id, new_token_ids=[token],
+            new_text=detok.delta(finished=status is not None), logprobs=logprobs,
+            finished=status is not None, finish_reason=status.value if status else None,
+            prompt_tokens=request.num_prompt_tokens, completion_tokens=request.num_output_tokens)
+
+    def _forget(self, request_id: str) -> None:
+        self._detok.pop(request_id, None)
+        self._generators.pop(request_id, None)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[int]]:
+        """Offline: run prompts to completion and return each one's output token ids."""
+        ids = [self.add_request(p, sampling) for p in prompts]
+        outputs: dict[str, list[int]] = {i: [] for i in ids}
+        while self.has_unfinished:
+            for out in self.step():
+                outputs[out.request_id].extend(out.new_token_ids)
+        return [outputs[i] for i in ids]
+
+
+class ContextLengthError(ConfigError):
+    """Prompt plus max_tokens exceed what this engine can hold (OpenAI: context_length_exceeded)."""
