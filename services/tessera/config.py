@@ -25,7 +25,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
-    max_tokens: int = 16
+    max_tokens: int | None = 16   # None: up to the end of the context
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
@@ -40,9 +40,10 @@ class SamplingParams:
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
             (self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0"),
-            (self.max_tokens >= 1, "max_tokens", "must be >= 1"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1"),
             (self.min_tokens >= 0, "min_tokens", "must be >= 0"),
-            (self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+             "must be <= max_tokens"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
         ]
         for ok, name, why in checks:

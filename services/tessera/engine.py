@@ -7,7 +7,7 @@ produced something. abort() frees a request's blocks at once.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -95,7 +95,7 @@ class Engine:
     def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams,
                     request_id: str | None = None) -> str:
         request_id = request_id or f"req-{next(self._ids)}"
-        self.validate(len(prompt_token_ids), sampling)
+        sampling = self.resolve(len(prompt_token_ids), sampling)
         if any(not 0 <= t < self.model_config.vocab_size for t in prompt_token_ids):
             raise ConfigError("prompt token ids must be in [0, vocab_size)")
         if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
@@ -108,10 +108,13 @@ class Engine:
             self._generators[request_id] = torch.Generator().manual_seed(sampling.seed)
         return request_id
 
-    def validate(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
-        """Raise ConfigError when the request can never run here."""
+    def resolve(self, num_prompt_tokens: int, sampling: SamplingParams) -> SamplingParams:
+        """The request's sampling with max_tokens=None made concrete (the rest of the context);
+        raises ConfigError when the request can never run here."""
         if num_prompt_tokens == 0:
             raise ConfigError("the prompt is empty")
+        if sampling.max_tokens is None:
+            sampling = replace(sampling, max_tokens=max(1, self.max_model_len - num_prompt_tokens))
         total = num_prompt_tokens + sampling.max_tokens
         if total > self.max_model_len:
             raise ContextLengthError(
@@ -121,6 +124,7 @@ class Engine:
                 "messages or completion.")
         if self.kv.blocks_for(total) > self.kv.num_blocks:
             raise ContextLengthError(f"{total} tokens do not fit in the KV cache of this worker")
+        return sampling
 
     def abort(self, request_id: str) -> bool:
         request = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)

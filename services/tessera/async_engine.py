@@ -1,0 +1,151 @@
+"""AsyncEngine: the engine loop in its own thread, with an asyncio face.
+
+The thread owns the Engine (nothing else touches it): it drains an inbox of add/abort
+commands, runs step(), and hands each RequestOutput to the waiting coroutine through
+loop.call_soon_threadsafe. Every accepted request ends with a finished output or an error.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from typing import AsyncIterator
+
+from tessera.config import ConfigError
+from tessera.engine import ContextLengthError, Engine, RequestOutput
+from tessera.processor import Processor
+from tessera.worker_api import (ContextLengthExceeded, GenerateChunk, GenerateInput, InvalidRequest,
+                                Saturated, TokenLogprobInfo, TopToken, Unavailable, WorkerInfo)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, role: str = "worker") -> None:
+        self.engine = engine
+        self.role = role
+        self.processor = Processor(engine.tokenizer)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._pending = 0
+        self.last_step = time.monotonic()
+        self.error: BaseException | None = None
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def info(self) -> WorkerInfo:
+        e = self.engine
+        return WorkerInfo(
+            model_id=e.model_id, max_model_len=e.max_model_len, num_kv_blocks=e.kv.num_blocks,
+            kv_block_size=e.kv.block_size, num_free_kv_blocks=e.kv.num_free_blocks,
+            num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting) + self._pending,
+            dtype=str(e.dtype).removeprefix("torch."), role=self.role)
+
+    async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateChunk]:
+        if not self.alive:
+            raise Unavailable(f"engine loop is not running: {self.error}")
+        prompt = self.processor.prompt_ids(request)
+        try:
+            sampling = self.engine.resolve(len(prompt), request.sampling)
+        except ContextLengthError as e:
+            raise ContextLengthExceeded(str(e), "messages" if request.messages else "prompt") from e
+        except ConfigError as e:
+            raise InvalidRequest(str(e)) from e
+        if any(not 0 <= t < self.engine.model_config.vocab_size for t in prompt):
+            raise InvalidRequest("prompt token ids must be in [0, vocab_size)", "prompt")
+        waiting = len(self.engine.scheduler.waiting) + self._pending
+        if waiting >= self.engine.config.scheduler.max_waiting:
+            raise Saturated("the worker's queue is full; retry later")
+        rid = request.request_id
+        if rid in self._streams:
+            raise InvalidRequest(f"request id {rid} is already running", "request_id")
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = (asyncio.get_running_loop(), q)
+        self._pending += 1
+        self._send(("add", rid, prompt, sampling))
+        finished = False
+        try:
+            first = True
+            while not finished:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield self._chunk(item, prompt if first else None)
+                first = False
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self._send(("abort", rid))
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=5)
+
+    def _send(self, command: tuple) -> None:
+        self._inbox.put(command)
+        self._wake.set()
+
+    def _deliver(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, q = stream
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                self._drain_inbox()
+                if not self.engine.has_unfinished:
+                    self.last_step = time.monotonic()
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)
+                self.last_step = time.monotonic()
+        except BaseException as e:  # the loop is dead: fail every open stream, never hang them
+            self.error = e
+            for rid in list(self._streams):
+                self._deliver(rid, Unavailable(f"engine loop failed: {e!r}"))
+            raise
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _, rid, prompt, sampling = command
+                self._pending -= 1
+                if rid not in self._streams:
+                    continue  # the client went away before the engine saw it
+                try:
+                    self.engine.add_request(prompt, sampling, rid)
+                except Exception as e:
+                    self._deliver(rid, InvalidRequest(str(e)))
+            else:
+                self.engine.abort(command[1])
+
+    def _chunk(self, out: RequestOutput, prompt: list[int] | None) -> GenerateChunk:
+        lps = tuple(
+            TokenLogprobInfo(lp.token_id, self.processor.token_text(lp.token_id), lp.logprob,
+                             self.processor.token_bytes(lp.token_id),
+                             tuple(TopToken(t, self.processor.token_text(t), v, self.processor.token_bytes(t))
+                                   for t, v in lp.top))
+            for lp in out.logprobs)
+        return GenerateChunk(text=out.new_text, token_ids=tuple(out.new_token_ids), logprobs=lps,
+                             finish_reason=out.finish_reason, prompt_tokens=out.prompt_tokens,
+                             completion_tokens=out.completion_tokens,
+                             prompt_token_ids=tuple(prompt or ()))

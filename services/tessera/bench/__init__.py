@@ -1,0 +1,1 @@
+"""Benchmarks that print numbers: engine throughput and an OpenAI-API load generator."""

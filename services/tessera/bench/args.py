@@ -1,0 +1,29 @@
+"""Flags of `tessera bench engine` and `tessera bench serve`."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_engine_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch-sizes", default="1,8,32,64")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--hf-reference", default="", help="comma list of batch sizes to also run "
+                   "transformers' generate on (same weights)")
+    p.add_argument("--hf-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--json", action="store_true")
+
+
+def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="default: the first id /v1/models lists")
+    p.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--concurrency", type=int, default=None, help="max requests in flight (default: all)")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
+    p.add_argument("--tokenizer", default="smollm2", help="model path for exact prompt lengths")
+    p.add_argument("--no-ignore-eos", action="store_true", help="for servers that reject ignore_eos")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")

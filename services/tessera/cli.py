@@ -1,0 +1,167 @@
+"""`tessera` command line: serve | worker | gateway | model init-random | bench engine | bench serve."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from tessera.config import CacheConfig, EngineConfig, SchedulerConfig
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="'smollm2' (default), an HF directory or a .gguf file")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto: bfloat16 where the CPU has AMX/AVX512-BF16, else float32")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-waiting", type=int, default=1024)
+    p.add_argument("--threads", type=int, default=None)
+
+
+def engine_config(a: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=a.model, dtype=a.dtype, max_model_len=a.max_model_len, num_threads=a.threads,
+        cache=CacheConfig(block_size=a.block_size, num_blocks=a.num_kv_blocks, kv_cache_gib=a.kv_cache_gib),
+        scheduler=SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
+                                  max_num_seqs=a.max_num_seqs, max_waiting=a.max_waiting))
+
+
+def cmd_worker(a: argparse.Namespace) -> int:
+    from tessera.entrypoints.worker import serve
+    asyncio.run(serve(engine_config(a), a.host, a.port))
+    return 0
+
+
+def cmd_gateway(a: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tessera.entrypoints.gateway.app import create_app
+    from tessera.rpc.client import GrpcWorkerClient
+
+    client = GrpcWorkerClient(a.worker)
+    info = asyncio.run(_wait_for_worker(a.worker, a.wait_s))
+    app = create_app(client, a.served_model_name or info.model_id)
+    print(f"tessera gateway on http://{a.host}:{a.port} -> worker {a.worker} ({info.model_id})", flush=True)
+    uvicorn.run(app, host=a.host, port=a.port, log_level="warning", timeout_graceful_shutdown=5)
+    return 0
+
+
+async def _wait_for_worker(address: str, wait_s: float):
+    from tessera.rpc.client import GrpcWorkerClient
+    from tessera.worker_api import WorkerError
+    deadline = time.monotonic() + wait_s
+    while True:
+        client = GrpcWorkerClient(address)
+        try:
+            return await client.info(timeout_s=2.0)
+        except WorkerError:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"worker at {address} did not answer within {wait_s:.0f} s")
+            await asyncio.sleep(0.5)
+        finally:
+            await client.close()
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    """Worker and gateway as two processes; Ctrl-C stops both."""
+    worker_addr = f"127.0.0.1:{a.worker_port}"
+    argv = [sys.executable, "-m", "tessera.cli", "worker", "--host", "127.0.0.1", "--port", str(a.worker_port)]
+    for flag in ("model", "dtype", "max_model_len", "kv_cache_gib", "num_kv_blocks", "block_size",
+                 "max_num_seqs", "max_num_batched_tokens", "max_waiting", "threads"):
+        value = getattr(a, flag)
+        if value is not None:
+            argv += [f"--{flag.replace('_', '-')}", str(value)]
+    worker = subprocess.Popen(argv)
+    gateway = subprocess.Popen([sys.executable, "-m", "tessera.cli", "gateway", "--worker", worker_addr,
+                                "--host", a.host, "--port", str(a.port)])
+    procs = [worker, gateway]
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
+    try:
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+        return next(p.returncode for p in procs if p.poll() is not None) or 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def cmd_init_random(a: argparse.Namespace) -> int:
+    from tessera.models.random_init import write_random_model
+    print(write_random_model(a.arch, a.out, seed=a.seed))
+    return 0
+
+
+def cmd_bench_engine(a: argparse.Namespace) -> int:
+    from tessera.bench.engine_bench import main
+    return main(a)
+
+
+def cmd_bench_serve(a: argparse.Namespace) -> int:
+    from tessera.bench.serve_bench import main
+    return main(a)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tessera", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("serve", help="worker + gateway on the default model")
+    _engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--worker-port", type=int, default=int(os.environ.get("TESSERA_WORKER_PORT", 50051)))
+    p.set_defaults(fn=cmd_serve)
+    p = sub.add_parser("worker", help="the gRPC worker process")
+    _engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.set_defaults(fn=cmd_worker)
+    p = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
+    p.add_argument("--worker", default=os.environ.get("TESSERA_WORKER", "127.0.0.1:50051"))
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--wait-s", type=float, default=300.0)
+    p.set_defaults(fn=cmd_gateway)
+    model = sub.add_parser("model").add_subparsers(dest="model_command", required=True)
+    p = model.add_parser("init-random", help="write a tiny random checkpoint (HF format)")
+    p.add_argument("--arch", required=True, choices=["llama", "mixtral", "qwen2_moe"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_init_random)
+    bench = sub.add_parser("bench").add_subparsers(dest="bench_command", required=True)
+    from tessera.bench.args import add_engine_bench_args, add_serve_bench_args
+    p = bench.add_parser("engine", help="offline engine throughput (no HTTP)")
+    _engine_args(p)
+    add_engine_bench_args(p)
+    p.set_defaults(fn=cmd_bench_engine)
+    p = bench.add_parser("serve", help="load generator for any OpenAI-compatible server")
+    add_serve_bench_args(p)
+    p.set_defaults(fn=cmd_bench_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("TESSERA_LOG_LEVEL", "WARNING"))
+    args = build_parser().parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""The worker process: load the engine, serve tessera.rpc.v1.Worker and grpc.health.v1."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from tessera.async_engine import AsyncEngine
+from tessera.config import ConfigError, EngineConfig
+from tessera.engine import Engine
+from tessera.rpc import convert
+from tessera.rpc.v1 import worker_pb2, worker_pb2_grpc
+from tessera.worker_api import InvalidRequest, WorkerError
+
+log = logging.getLogger("tessera.worker")
+SERVICE = "tessera.rpc.v1.Worker"
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    async def Generate(self, request, context):
+        try:
+            req = convert.generate_request_from_proto(request)
+            async for chunk in self.engine.generate(req):
+                yield convert.chunk_to_proto(chunk)
+        except ConfigError as e:
+            await context.abort(*convert.error_to_status(InvalidRequest(str(e))))
+        except WorkerError as e:
+            await context.abort(*convert.error_to_status(e))
+
+    async def Abort(self, request, context):
+        self.engine.abort(request.request_id)
+        return worker_pb2.AbortResponse(found=True)
+
+    async def Info(self, request, context):
+        return convert.info_to_proto(self.engine.info())
+
+
+async def _watch_health(engine: AsyncEngine, health_servicer: health.HealthServicer) -> None:
+    """NOT_SERVING once the engine loop thread has died."""
+    while True:
+        status = health_pb2.HealthCheckResponse.SERVING if engine.alive else \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE):
+            health_servicer.set(name, status)
+        await asyncio.sleep(1.0)
+
+
+async def serve(config: EngineConfig, host: str, port: int) -> None:
+    engine = AsyncEngine(Engine(config))
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    watcher = asyncio.create_task(_watch_health(engine, health_servicer))
+    log.info("worker %s serving on %s:%d", engine.engine.model_id, host, bound)
+    print(f"tessera worker ready on {host}:{bound}", flush=True)
+    try:
+        await server.wait_for_termination()
+    finally:
+        watcher.cancel()
+        engine.shutdown()

@@ -1,0 +1,51 @@
+"""Prometheus metrics of the gateway, named tessera_* with a model_name label (the same
+shapes as vllm: / sglang: so existing dashboards carry over). Each app owns its registry."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tessera.worker_api import GenerateChunk, WorkerInfo
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class GatewayMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+        self.requests = Counter("tessera_requests", "Finished HTTP requests by status code",
+                                ["model_name", "status"], registry=r)
+        self._ttft = Histogram("tessera_time_to_first_token_seconds", "Time to first token",
+                               labels, buckets=_LATENCY, registry=r)
+        self._itl = Histogram("tessera_inter_token_latency_seconds", "Time between streamed chunks",
+                              labels, buckets=_LATENCY, registry=r)
+        self._e2e = Histogram("tessera_e2e_request_latency_seconds", "End-to-end latency per choice",
+                              labels, buckets=_LATENCY, registry=r)
+        self._gen = Counter("tessera_generation_tokens", "Generated tokens", labels, registry=r)
+        self._running = Gauge("tessera_num_requests_running", "Requests in the engine's batch",
+                              labels, registry=r)
+        self._waiting = Gauge("tessera_num_requests_waiting", "Requests queued in the engine",
+                              labels, registry=r)
+        self._kv = Gauge("tessera_kv_cache_usage_ratio", "Fraction of KV blocks in use", labels, registry=r)
+        self._kv_free = Gauge("tessera_kv_cache_free_blocks", "Free KV blocks", labels, registry=r)
+        self.model_name = model_name
+        self.ttft, self.itl, self.e2e = (h.labels(model_name) for h in (self._ttft, self._itl, self._e2e))
+
+    def observe_token(self, chunk: GenerateChunk, since_start: float, since_last: float, first: bool) -> None:
+        if not chunk.token_ids:
+            return
+        (self.ttft.observe(since_start) if first else self.itl.observe(since_last))
+        self._gen.labels(self.model_name).inc(len(chunk.token_ids))
+
+    def count(self, status: int) -> None:
+        self.requests.labels(self.model_name, str(status)).inc()
+
+    def render(self, info: WorkerInfo | None) -> bytes:
+        if info is not None:
+            m = self.model_name
+            self._running.labels(m).set(info.num_running)
+            self._waiting.labels(m).set(info.num_waiting)
+            self._kv_free.labels(m).set(info.num_free_kv_blocks)
+            used = 1 - info.num_free_kv_blocks / info.num_kv_blocks if info.num_kv_blocks else 0.0
+            self._kv.labels(m).set(used)
+        return generate_latest(self.registry)

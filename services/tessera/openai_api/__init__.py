@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP layer: request schema, error envelope, response formatting."""

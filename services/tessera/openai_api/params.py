@@ -1,0 +1,76 @@
+"""OpenAI request -> Tessera SamplingParams and GenerateInputs (one per prompt x n)."""
+from __future__ import annotations
+
+from tessera.config import ConfigError, SamplingParams
+from tessera.openai_api.errors import APIError
+from tessera.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from tessera.worker_api import GenerateInput
+
+def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
+                    logprobs: int | None, seed: int | None) -> SamplingParams:
+    try:
+        return SamplingParams(
+            temperature=1.0 if req.temperature is None else float(req.temperature),
+            top_p=1.0 if req.top_p is None else float(req.top_p),
+            top_k=req.top_k or 0, min_p=float(req.min_p or 0.0),
+            presence_penalty=float(req.presence_penalty or 0.0),
+            frequency_penalty=float(req.frequency_penalty or 0.0),
+            repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
+            seed=seed, stop=req.stop_list(), stop_token_ids=tuple(req.stop_token_ids or ()),
+            max_tokens=max_tokens, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
+            logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output)
+    except ConfigError as e:
+        raise APIError(400, str(e), param=str(e).split(" ")[0]) from e
+
+
+def chat_inputs(req: ChatCompletionRequest, request_id: str) -> list[GenerateInput]:
+    if req.tools:
+        raise APIError(400, "tools are not supported by this server yet", "tools")
+    if req.response_format and req.response_format.get("type") not in (None, "text"):
+        raise APIError(400, "only response_format {\"type\": \"text\"} is supported", "response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    messages = tuple((m.role, m.text()) for m in req.messages)
+    return [GenerateInput(f"{request_id}-{j}", _params(req, max_tokens, logprobs, j),
+                          messages=messages) for j in range(req.n)]
+
+
+def completion_inputs(req: CompletionRequest, request_id: str) -> list[GenerateInput]:
+    if req.suffix:
+        raise APIError(400, "suffix is not supported", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, "best_of must equal n (beam search is not supported)", "best_of")
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, "echo together with logprobs is not supported", "echo")
+    prompts = _prompts(req.prompt)
+    inputs = []
+    for i, prompt in enumerate(prompts):
+        for j in range(req.n):
+            params = _params(req, req.max_tokens, req.logprobs, j)
+            rid = f"{request_id}-{i * req.n + j}"
+            if isinstance(prompt, str):
+                inputs.append(GenerateInput(rid, params, text=prompt))
+            else:
+                inputs.append(GenerateInput(rid, params, token_ids=tuple(prompt)))
+    return inputs
+
+
+def _prompts(prompt) -> list:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [prompt]
+    if any(isinstance(p, list) and not p for p in prompt):
+        raise APIError(400, "prompt token lists must not be empty", "prompt")
+    return list(prompt)
+
+
+def _params(req, max_tokens: int | None, logprobs: int | None, j: int) -> SamplingParams:
+    """max_tokens None means up to the context (the worker subtracts the prompt length);
+    choice j of n draws with seed + j so that seeded choices differ from each other."""
+    seed = None if req.seed is None else req.seed + j
+    return sampling_params(req, max_tokens, logprobs, seed)

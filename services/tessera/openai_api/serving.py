@@ -1,0 +1,180 @@
+"""Run a request's GenerateInputs on a worker and shape OpenAI responses: one JSON body, or
+server-sent events (first chat delta carries the role, optional usage chunk, `data: [DONE]`).
+
+Each choice is one worker request; choices run concurrently and their chunks are merged.
+Errors before the first chunk become HTTP errors; errors mid-stream become an error event.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from tessera.metrics import GatewayMetrics
+from tessera.openai_api.errors import error_body
+from tessera.worker_api import GenerateChunk, GenerateInput, WorkerClient, WorkerError
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+
+
+async def merged(client: WorkerClient, inputs: list[GenerateInput], metrics: GatewayMetrics
+                 ) -> AsyncIterator[tuple[int, GenerateChunk | WorkerError]]:
+    """(choice index, chunk) from every input as they arrive; an error ends that choice."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, inp: GenerateInput) -> None:
+        start = last = time.monotonic()
+        try:
+            async for chunk in client.generate(inp):
+                now = time.monotonic()
+                metrics.observe_token(chunk, now - start, now - last, first=last == start)
+                last = now
+                await queue.put((i, chunk))
+        except WorkerError as e:
+            await queue.put((i, e))
+        except Exception as e:  # a bug or transport failure must still end the choice
+            await queue.put((i, WorkerError(f"{type(e).__name__}: {e}")))
+        finally:
+            metrics.e2e.observe(time.monotonic() - start)
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, inp)) for i, inp in enumerate(inputs)]
+    try:
+        open_choices = len(tasks)
+        while open_choices:
+            i, item = await queue.get()
+            if item is None:
+                open_choices -= 1
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect(client: WorkerClient, inputs: list[GenerateInput], metrics: GatewayMetrics
+                  ) -> list[Choice]:
+    choices = [Choice(i) for i in range(len(inputs))]
+    async for i, item in merged(client, inputs, metrics):
+        if isinstance(item, WorkerError):
+            raise item
+        c = choices[i]
+        c.text += item.text
+        c.token_ids.extend(item.token_ids)
+        c.logprobs.extend(item.logprobs)
+        c.prompt_tokens = item.prompt_tokens
+        c.finish_reason = item.finish_reason or c.finish_reason
+    return choices
+
+
+def usage(choices: list[Choice], n: int) -> dict:
+    """Prompt tokens count once per prompt (every n-th choice); completion tokens per choice."""
+    prompt = sum(c.prompt_tokens for c in choices[::n])
+    completion = sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def chat_logprobs(lps) -> dict:
+    return {"content": [{
+        "token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token_bytes),
+        "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.token_bytes)}
+                         for t in lp.top]} for lp in lps]}
+
+
+def completion_logprobs(lps, offset: int) -> dict:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for lp in lps:
+        tokens.append(lp.token)
+        token_lps.append(lp.logprob)
+        tops.append({t.token: t.logprob for t in lp.top} if lp.top else None)
+        offsets.append(offset)
+        offset += len(lp.token)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+@dataclass
+class StreamShape:
+    """What differs between the chat and completions streams."""
+
+    id: str
+    model: str
+    chat: bool
+    include_usage: bool
+    logprobs: bool
+    n: int = 1
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
+        body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices}
+        if self.include_usage:
+            body["usage"] = usage
+        return body
+
+
+async def start(client: WorkerClient, inputs: list[GenerateInput], metrics: GatewayMetrics):
+    """Begin a streamed request and wait for its first event, so that an error the worker
+    raises up front (bad parameters, context too long, saturated) is still an HTTP error."""
+    events = merged(client, inputs, metrics)
+    first = await anext(events)
+    if isinstance(first[1], WorkerError):
+        await events.aclose()
+        raise first[1]
+    return first, events
+
+
+async def stream(first, events, num_choices: int, shape: StreamShape) -> AsyncIterator[str]:
+    choices = [Choice(i) for i in range(num_choices)]
+    if shape.chat:
+        yield sse(shape.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None} for i in range(num_choices)]))
+    async for i, item in _prepend(first, events):
+        if isinstance(item, WorkerError):
+            yield sse(error_body(item.status, str(item), item.param, item.code))
+            yield sse("[DONE]")
+            return
+        c = choices[i]
+        offset = len(c.text)
+        c.text += item.text
+        c.token_ids.extend(item.token_ids)
+        c.prompt_tokens = item.prompt_tokens
+        c.finish_reason = item.finish_reason
+        if not item.text and not item.finish_reason and not (shape.logprobs and item.logprobs):
+            continue
+        yield sse(shape.chunk([_stream_choice(shape, i, item, offset)]))
+    if shape.include_usage:
+        yield sse(shape.chunk([], usage(choices, shape.n)))
+    yield sse("[DONE]")
+
+
+async def _prepend(first, events):
+    try:
+        yield first
+        async for event in events:
+            yield event
+    finally:
+        await events.aclose()
+
+
+def _stream_choice(shape: StreamShape, i: int, item: GenerateChunk, offset: int) -> dict:
+    if shape.chat:
+        lps = chat_logprobs(item.logprobs) if shape.logprobs else None
+        delta = {"content": item.text} if item.text else {}
+        return {"index": i, "delta": delta, "logprobs": lps, "finish_reason": item.finish_reason}
+    lps = completion_logprobs(item.logprobs, offset) if shape.logprobs else None
+    return {"index": i, "text": item.text, "logprobs": lps, "finish_reason": item.finish_reason}

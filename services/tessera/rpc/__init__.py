@@ -1,0 +1,1 @@
+"""gRPC plumbing: convert.py (the only protobuf <-> dataclass mapping) and client.py."""

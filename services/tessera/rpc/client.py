@@ -1,0 +1,53 @@
+"""GrpcWorkerClient: the gateway's side of the Worker service (WorkerClient interface)."""
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+import grpc
+
+from tessera.rpc import convert
+from tessera.rpc.v1 import worker_pb2, worker_pb2_grpc
+from tessera.worker_api import GenerateChunk, GenerateInput, WorkerInfo
+
+_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+
+class GrpcWorkerClient:
+    def __init__(self, address: str, timeout_s: float = 600.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel: grpc.aio.Channel | None = None
+        self._stub_obj: worker_pb2_grpc.WorkerStub | None = None
+
+    @property
+    def _stub(self) -> worker_pb2_grpc.WorkerStub:
+        """Created on first use, inside the event loop that will drive it (grpc.aio binds to it)."""
+        if self._stub_obj is None:
+            self._channel = grpc.aio.insecure_channel(self.address, options=_OPTIONS)
+            self._stub_obj = worker_pb2_grpc.WorkerStub(self._channel)
+        return self._stub_obj
+
+    async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateChunk]:
+        call = self._stub.Generate(convert.generate_request_to_proto(request), timeout=self.timeout_s,
+                                   metadata=(("x-request-id", request.request_id),))
+        try:
+            async for msg in call:
+                yield convert.chunk_from_proto(msg)
+        except grpc.aio.AioRpcError as e:
+            raise convert.error_from_status(e.code(), e.details()) from None
+        finally:
+            call.cancel()  # no-op when finished; aborts the request in the worker otherwise
+
+    async def abort(self, request_id: str) -> None:
+        await self._stub.Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=5)
+
+    async def info(self, timeout_s: float = 5.0) -> WorkerInfo:
+        try:
+            return convert.info_from_proto(await self._stub.Info(worker_pb2.InfoRequest(), timeout=timeout_s))
+        except grpc.aio.AioRpcError as e:
+            raise convert.error_from_status(e.code(), e.details()) from None
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel, self._stub_obj = None, None

@@ -1,0 +1,116 @@
+"""Protobuf <-> Tessera dataclasses, in one place; nothing else builds or reads *_pb2 messages
+except the service entrypoints and the gRPC client."""
+from __future__ import annotations
+
+import grpc
+
+from tessera.config import SamplingParams
+from tessera.rpc.v1 import common_pb2, worker_pb2
+from tessera.worker_api import (ContextLengthExceeded, GenerateChunk, GenerateInput, InvalidRequest,
+                                Saturated, TokenLogprobInfo, TopToken, Unavailable, WorkerError,
+                                WorkerInfo)
+
+
+def sampling_to_proto(sp: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
+        presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
+        repetition_penalty=sp.repetition_penalty, stop=list(sp.stop),
+        stop_token_ids=list(sp.stop_token_ids), max_tokens=sp.max_tokens or 0, min_tokens=sp.min_tokens,
+        ignore_eos=sp.ignore_eos, logprobs=-1 if sp.logprobs is None else sp.logprobs,
+        include_stop_str_in_output=sp.include_stop_str_in_output)
+    if sp.seed is not None:
+        msg.seed = sp.seed
+    return msg
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, min_p=msg.min_p,
+        presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty,
+        seed=msg.seed if msg.HasField("seed") else None, stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids), max_tokens=msg.max_tokens or None,
+        min_tokens=msg.min_tokens, ignore_eos=msg.ignore_eos,
+        logprobs=None if msg.logprobs < 0 else msg.logprobs,
+        include_stop_str_in_output=msg.include_stop_str_in_output)
+
+
+def generate_request_to_proto(req: GenerateInput) -> worker_pb2.GenerateRequest:
+    msg = worker_pb2.GenerateRequest(request_id=req.request_id, sampling=sampling_to_proto(req.sampling))
+    if req.messages is not None:
+        msg.chat.CopyFrom(common_pb2.ChatPrompt(
+            messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in req.messages],
+            add_generation_prompt=True))
+    elif req.token_ids is not None:
+        msg.token_ids.CopyFrom(common_pb2.TokenIds(ids=list(req.token_ids)))
+    else:
+        msg.text = req.text or ""
+    return msg
+
+
+def generate_request_from_proto(msg: worker_pb2.GenerateRequest) -> GenerateInput:
+    kind = msg.WhichOneof("prompt")
+    return GenerateInput(
+        request_id=msg.request_id, sampling=sampling_from_proto(msg.sampling),
+        text=msg.text if kind == "text" else None,
+        token_ids=tuple(msg.token_ids.ids) if kind == "token_ids" else None,
+        messages=tuple((m.role, m.content) for m in msg.chat.messages) if kind == "chat" else None)
+
+
+def chunk_to_proto(c: GenerateChunk) -> worker_pb2.GenerateResponse:
+    return worker_pb2.GenerateResponse(
+        text=c.text, token_ids=list(c.token_ids), finish_reason=c.finish_reason or "",
+        usage=common_pb2.Usage(prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens),
+        prompt_token_ids=list(c.prompt_token_ids),
+        logprobs=[worker_pb2.TokenLogprob(
+            token_id=lp.token_id, token=lp.token, logprob=lp.logprob, token_bytes=lp.token_bytes,
+            top=[worker_pb2.TopLogprob(token_id=t.token_id, token=t.token, logprob=t.logprob,
+                                       token_bytes=t.token_bytes) for t in lp.top])
+            for lp in c.logprobs])
+
+
+def chunk_from_proto(msg: worker_pb2.GenerateResponse) -> GenerateChunk:
+    return GenerateChunk(
+        text=msg.text, token_ids=tuple(msg.token_ids), finish_reason=msg.finish_reason or None,
+        prompt_tokens=msg.usage.prompt_tokens, completion_tokens=msg.usage.completion_tokens,
+        prompt_token_ids=tuple(msg.prompt_token_ids),
+        logprobs=tuple(TokenLogprobInfo(
+            lp.token_id, lp.token, lp.logprob, lp.token_bytes,
+            tuple(TopToken(t.token_id, t.token, t.logprob, t.token_bytes) for t in lp.top))
+            for lp in msg.logprobs))
+
+
+def info_to_proto(i: WorkerInfo) -> worker_pb2.InfoResponse:
+    return worker_pb2.InfoResponse(
+        model_id=i.model_id, max_model_len=i.max_model_len, num_kv_blocks=i.num_kv_blocks,
+        kv_block_size=i.kv_block_size, num_free_kv_blocks=i.num_free_kv_blocks,
+        num_running=i.num_running, num_waiting=i.num_waiting, dtype=i.dtype, role=i.role)
+
+
+def info_from_proto(m: worker_pb2.InfoResponse) -> WorkerInfo:
+    return WorkerInfo(m.model_id, m.max_model_len, m.num_kv_blocks, m.kv_block_size,
+                      m.num_free_kv_blocks, m.num_running, m.num_waiting, m.dtype, m.role)
+
+
+# WorkerError <-> gRPC status. The error class travels in the details as "<code>|<param>|<message>".
+_STATUS = {InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT, Saturated: grpc.StatusCode.RESOURCE_EXHAUSTED,
+           Unavailable: grpc.StatusCode.UNAVAILABLE}
+
+
+def error_to_status(e: WorkerError) -> tuple[grpc.StatusCode, str]:
+    status = next((s for cls, s in _STATUS.items() if isinstance(e, cls)), grpc.StatusCode.INTERNAL)
+    return status, f"{e.code or ''}|{e.param or ''}|{e}"
+
+
+def error_from_status(code: grpc.StatusCode, details: str | None) -> WorkerError:
+    parts = (details or "").split("|", 2)
+    err_code, param, message = parts if len(parts) == 3 else ("", "", details or code.name)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        cls = ContextLengthExceeded if err_code == "context_length_exceeded" else InvalidRequest
+        return cls(message, param or None)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return Saturated(message)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+        return Unavailable(f"worker unavailable: {message}")
+    return WorkerError(f"worker error ({code.name}): {message}")

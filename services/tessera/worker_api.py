@@ -1,0 +1,107 @@
+"""The worker boundary as plain dataclasses: what the gateway sends and gets back.
+
+Two implementations share this interface (WorkerClient): LocalWorkerClient runs an
+AsyncEngine in-process (the twin used in tests), GrpcWorkerClient (rpc/client.py) talks to a
+worker process. rpc/convert.py maps these to and from protobuf.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AsyncIterator, Protocol
+
+from tessera.config import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    request_id: str
+    sampling: SamplingParams
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    messages: tuple[tuple[str, str], ...] | None = None  # (role, content) pairs: apply the chat template
+
+
+@dataclass(frozen=True)
+class TopToken:
+    token_id: int
+    token: str
+    logprob: float
+    token_bytes: bytes
+
+
+@dataclass(frozen=True)
+class TokenLogprobInfo:
+    token_id: int
+    token: str
+    logprob: float
+    token_bytes: bytes
+    top: tuple[TopToken, ...] = ()
+
+
+@dataclass(frozen=True)
+class GenerateChunk:
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobInfo, ...] = ()
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    model_id: str
+    max_model_len: int
+    num_kv_blocks: int
+    kv_block_size: int
+    num_free_kv_blocks: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    dtype: str = ""
+    role: str = "worker"
+
+
+class WorkerError(Exception):
+    """Base of errors a worker reports; `status` is the HTTP status the gateway answers with."""
+
+    status = 500
+    code: str | None = None
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        if code is not None:
+            self.code = code
+
+
+class InvalidRequest(WorkerError):
+    status = 400
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class Saturated(WorkerError):
+    """The worker's queue is full: try again later (HTTP 503 with Retry-After)."""
+
+    status = 503
+
+
+class Unavailable(WorkerError):
+    """The worker cannot be reached or failed mid-request."""
+
+    status = 503
+
+
+class WorkerClient(Protocol):
+    def generate(self, request: GenerateInput) -> AsyncIterator[GenerateChunk]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def info(self) -> WorkerInfo: ...
+
+    async def close(self) -> None: ...
+
+

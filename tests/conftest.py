@@ -1,0 +1,26 @@
+"""Shared fixtures: tiny random checkpoints (built once per session) and the default model."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, str]:
+    from tessera.models.random_init import write_random_model
+    root = tmp_path_factory.mktemp("models")
+    return {arch: str(write_random_model(arch, root / arch, seed=0))
+            for arch in ("llama", "mixtral", "qwen2_moe")}
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine():
+    """The default model in float32 (the exactness tests compare with transformers in fp32)."""
+    from tessera.config import EngineConfig
+    from tessera.engine import Engine
+    return Engine(EngineConfig(model="smollm2", dtype="float32"))
