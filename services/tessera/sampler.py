@@ -33,7 +33,7 @@ class SampleResult:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch,
            default_generator: torch.Generator | None = None) -> SampleResult:
-    logits = logits.float()
+    logits = logits.float().clone()  # pure: the caller's logits are never modified
     want_lp = [p.logprobs is not None for p in batch.params]
     raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
     logits = apply_penalties(logits, batch)
