@@ -1,0 +1,161 @@
+"""The OpenAI API end to end: `tessera serve` (worker + gateway processes) on SmolLM2, driven
+by the official openai client and raw HTTP."""
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from servers import tessera_serve
+
+pytestmark = pytest.mark.e2e
+MODEL = "SmolLM2-135M-Instruct"
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def url():
+    with tessera_serve("--max-model-len", "2048", "--max-num-seqs", "16") as u:
+        yield u
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_models_and_chat_says_paris(client, url):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    r = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0)
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    raw = httpx.post(url + "/v1/chat/completions", headers={"X-Request-Id": "abc-123"},
+                     json={"model": MODEL, "messages": FRANCE, "max_tokens": 2}, timeout=60)
+    assert raw.headers["x-request-id"] == "abc-123"
+
+
+def test_completions_length_and_usage(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+
+
+def test_streaming_chat_equals_non_streaming(client):
+    full = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=30)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=30,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_n_2_seeded_and_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=FRANCE, n=2, temperature=1.0, seed=3, max_tokens=8,
+                                       logprobs=True, top_logprobs=3)
+    assert [c.index for c in r.choices] == [0, 1]
+    for c in r.choices:
+        content = c.logprobs.content
+        assert 1 <= len(content) <= 8 and all(len(lp.top_logprobs) == 3 for lp in content)
+        assert all(lp.logprob <= 0 for lp in content)
+        assert bytes(sum((lp.bytes for lp in content), [])).decode("utf-8", "replace").startswith(
+            c.message.content[:3])
+    again = client.chat.completions.create(model=MODEL, messages=FRANCE, n=2, temperature=1.0, seed=3, max_tokens=8)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+    comp = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=4, temperature=0, logprobs=2)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
+    assert "".join(lp.tokens) == comp.choices[0].text
+
+
+def test_stop_strings(client):
+    r = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, stop=["Paris"])
+    assert "Paris" not in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
+    s = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, stop=["Paris"], stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in s if c.choices) == r.choices[0].message.content
+
+
+def test_streaming_multibyte_text_is_whole_utf8(client):
+    prompt = "Chinese: 你好世界。Emoji: 😀🎉. Japanese: こんにちは。Chinese: 你好"
+    full = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=24)
+    pieces = [c.choices[0].text for c in client.completions.create(model=MODEL, prompt=prompt, temperature=0,
+                                                                   max_tokens=24, stream=True) if c.choices]
+    assert any(ord(ch) > 127 for ch in full.choices[0].text)
+    for p in pieces:
+        p.encode("utf-8")
+        assert "\ufffd" not in p
+    assert "".join(pieces) == full.choices[0].text
+
+
+BAD = [
+    ("invalid json", b'{"model": ', 400, None),
+    ("invalid utf-8", b'{"model": "\xff\xfe", "messages": []}', 400, None),
+    ("wrong type", {"model": MODEL, "messages": FRANCE, "max_tokens": "ten"}, 400, None),
+    ("negative max_tokens", {"model": MODEL, "messages": FRANCE, "max_tokens": -1}, 400, None),
+    ("huge max_tokens", {"model": MODEL, "messages": FRANCE, "max_tokens": 10**9}, 400, "context_length_exceeded"),
+    ("long prompt", {"model": MODEL, "messages": [{"role": "user", "content": "hello " * 3000}]}, 400,
+     "context_length_exceeded"),
+    ("unknown model", {"model": "gpt-9", "messages": FRANCE}, 404, "model_not_found"),
+    ("empty messages", {"model": MODEL, "messages": []}, 400, None),
+    ("bad role", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+    ("temperature", {"model": MODEL, "messages": FRANCE, "temperature": -1}, 400, None),
+]
+
+
+@pytest.mark.parametrize("name,body,status,code", BAD, ids=[b[0] for b in BAD])
+def test_errors_have_openai_shape(url, name, body, status, code):
+    kwargs = {"content": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) \
+        else {"json": body}
+    for stream in (False, True):
+        if stream and isinstance(body, dict):
+            kwargs = {"json": dict(body, stream=True)}
+        r = httpx.post(url + "/v1/chat/completions", timeout=60, **kwargs)
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+        assert err["code"] == code
+
+
+def test_prompt_too_long_for_completions(url):
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi " * 2100}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def test_disconnect_aborts_and_frees_blocks(url):
+    body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 1000, "stream": True,
+            "extra": 1, "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        got = 0
+        for line in r.iter_lines():
+            got += line.startswith("data:")
+            if got >= 3:
+                break
+        assert metric(url, "tessera_num_requests_running") == 1
+    deadline = time.monotonic() + 10
+    while metric(url, "tessera_num_requests_running") != 0 or metric(url, "tessera_kv_cache_usage_ratio") != 0:
+        assert time.monotonic() < deadline, "request was not aborted after the client left"
+        time.sleep(0.2)
+
+
+def test_health_and_metrics(url):
+    h = httpx.get(url + "/health", timeout=30)
+    assert h.status_code == 200 and h.json()["status"] == "ok"
+    text = httpx.get(url + "/metrics", timeout=10).text
+    for name in ("tessera_requests_total", "tessera_time_to_first_token_seconds_bucket",
+                 "tessera_inter_token_latency_seconds_bucket", "tessera_e2e_request_latency_seconds_bucket",
+                 "tessera_num_requests_running", "tessera_num_requests_waiting", "tessera_kv_cache_usage_ratio"):
+        assert name in text
+    assert 'model_name="SmolLM2-135M-Instruct"' in text
+    assert json.loads(httpx.get(url + "/v1/models", timeout=10).text)["object"] == "list"
