@@ -28,8 +28,8 @@ class ForwardBatch:
     positions: torch.Tensor        # [T] int64
     slot_mapping: torch.Tensor     # [T] int64: where each token's K/V is written
     decode_token_idx: torch.Tensor  # [B] int64: which of the T tokens are decode tokens
-    decode_slots: torch.Tensor     # [B, L] int64: cache slots of each decode request's context
-    decode_mask: torch.Tensor      # [B, 1, 1, L] bool: True where the slot is in the context
+    decode_blocks: torch.Tensor    # [B * W] int64: each decode request's blocks, padded to W
+    decode_mask: torch.Tensor      # [B, W * block_size] bool: True where the slot is in the context
     prefills: list[PrefillChunk]
     logits_idx: torch.Tensor       # [S] int64: tokens whose logits are sampled
     block_size: int
@@ -64,13 +64,13 @@ def build_forward_batch(plan: StepPlan, block_size: int) -> ForwardBatch:
             prefills.append(_prefill_chunk(start, n, entry.start_pos, table, block_size))
         if entry.sample:
             logits_idx.append(start + n - 1)
-    decode_slots, decode_mask = _decode_context(decode_tables, decode_lens, block_size)
+    decode_blocks, decode_mask = _decode_context(decode_tables, decode_lens, block_size)
     return ForwardBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long),
         positions=torch.tensor(positions, dtype=torch.long),
         slot_mapping=torch.tensor(slots, dtype=torch.long),
         decode_token_idx=torch.tensor(decode_idx, dtype=torch.long),
-        decode_slots=decode_slots,
+        decode_blocks=decode_blocks,
         decode_mask=decode_mask,
         prefills=prefills,
         logits_idx=torch.tensor(logits_idx, dtype=torch.long),
@@ -95,11 +95,9 @@ def _prefill_chunk(start: int, n: int, start_pos: int, table: tuple[int, ...],
 
 def _decode_context(tables: list[tuple[int, ...]], lens: list[int],
                     block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pad every decode request's context to the longest one; the mask hides the padding."""
+    """Pad every decode request's block list to the longest one; the mask hides the padding."""
     width = max((-(-n // block_size) for n in lens), default=0)
-    padded = [list(t[:width]) + [0] * (width - min(len(t), width)) for t in tables]
-    blocks = torch.tensor(padded, dtype=torch.long).reshape(len(tables), width)
-    slots = (blocks[:, :, None] * block_size + torch.arange(block_size)).reshape(len(tables), width * block_size)
+    padded = [b for t in tables for b in (list(t[:width]) + [0] * (width - min(len(t), width)))]
     lens_t = torch.tensor(lens, dtype=torch.long)
-    mask = torch.arange(slots.shape[1])[None, :] < lens_t[:, None]
-    return slots, mask[:, None, None, :]
+    mask = torch.arange(width * block_size)[None, :] < lens_t[:, None]
+    return torch.tensor(padded, dtype=torch.long), mask

@@ -21,9 +21,10 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         slots = num_blocks * block_size
+        # [kv_heads, slots, head_dim]: a gathered block list is then already [kv_heads, B, L, D]
         self.kv_caches = [
-            (torch.zeros(slots, cfg.num_kv_heads, cfg.head_dim, dtype=dtype),
-             torch.zeros(slots, cfg.num_kv_heads, cfg.head_dim, dtype=dtype))
+            (torch.zeros(cfg.num_kv_heads, slots, cfg.head_dim, dtype=dtype),
+             torch.zeros(cfg.num_kv_heads, slots, cfg.head_dim, dtype=dtype))
             for _ in range(cfg.num_layers)
         ]
 

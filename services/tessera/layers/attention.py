@@ -1,8 +1,10 @@
-"""Paged attention over a flat per-layer KV cache of shape [num_slots, kv_heads, head_dim].
+"""Paged attention over a per-layer KV cache laid out [kv_heads, num_blocks * block_size, head_dim].
 
-New K/V are written to their slots first; then decode tokens attend as one padded batch over
-their gathered context, and each prefill chunk attends causally (to itself alone when it
-starts at position 0, else to its gathered context with an offset causal mask).
+New K/V are written to their slots first. Decode tokens then attend as one padded batch:
+their blocks are gathered whole (one index_select per layer), which with this layout is
+already [kv_heads, B, L, head_dim], and the query heads that share a KV head are grouped so
+that GQA needs no copy of K/V. Each prefill chunk attends causally, to itself alone when it
+starts at position 0, else to its gathered context with an offset causal mask.
 """
 from __future__ import annotations
 
@@ -15,34 +17,40 @@ from tessera.batch import ForwardBatch
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     batch: ForwardBatch, scale: float) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KV, D]; returns [T, H, D]."""
-    k_cache.index_copy_(0, batch.slot_mapping, k)
-    v_cache.index_copy_(0, batch.slot_mapping, v)
+    """q: [T, H, D]; k, v: [T, KV, D]; caches [KV, S, D]; returns [T, H, D]."""
+    k_cache.index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
+    v_cache.index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
+    if not batch.prefills:
+        return _decode(q, k_cache, v_cache, batch, scale)
     out = torch.empty_like(q)
     if batch.decode_token_idx.numel():
-        qd = q[batch.decode_token_idx].unsqueeze(2)            # [B, H, 1, D]
-        kd = k_cache[batch.decode_slots].transpose(1, 2)       # [B, KV, L, D]
-        vd = v_cache[batch.decode_slots].transpose(1, 2)
-        od = _sdpa(qd, kd, vd, batch.decode_mask, scale)
-        out[batch.decode_token_idx] = od.squeeze(2)
+        out[batch.decode_token_idx] = _decode(q[batch.decode_token_idx], k_cache, v_cache, batch, scale)
     for chunk in batch.prefills:
         s, n = chunk.token_start, chunk.num_tokens
         qs = q[s:s + n].transpose(0, 1).unsqueeze(0)           # [1, H, n, D]
         if chunk.context_slots is None:
-            ks, vs, mask = k[s:s + n], v[s:s + n], None
+            ks, vs = k[s:s + n].transpose(0, 1), v[s:s + n].transpose(0, 1)
         else:
-            ks, vs = k_cache[chunk.context_slots], v_cache[chunk.context_slots]
-            mask = chunk.mask
-        o = _sdpa(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0), mask,
-                  scale, causal=mask is None)
+            ks, vs = k_cache[:, chunk.context_slots], v_cache[:, chunk.context_slots]
+        groups = q.shape[1] // k.shape[1]
+        ks = ks.repeat_interleave(groups, dim=0).unsqueeze(0)  # [1, H, L, D]; cheap for one request
+        vs = vs.repeat_interleave(groups, dim=0).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=chunk.mask,
+                                           is_causal=chunk.mask is None, scale=scale)
         out[s:s + n] = o.squeeze(0).transpose(0, 1)
     return out
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-          scale: float, causal: bool = False) -> torch.Tensor:
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            batch: ForwardBatch, scale: float) -> torch.Tensor:
+    """One query token per request: softmax(q K^T * scale + mask) V, GQA by grouping heads."""
+    B, H, D = q.shape
+    KV, S, _ = k_cache.shape
+    bs = batch.block_size
+    k = k_cache.view(KV, S // bs, bs * D).index_select(1, batch.decode_blocks).view(KV, B, -1, D)
+    v = v_cache.view(KV, S // bs, bs * D).index_select(1, batch.decode_blocks).view(KV, B, -1, D)
+    qg = q.view(B, KV, H // KV, D).transpose(0, 1)              # [KV, B, G, D]
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale      # [KV, B, G, L]
+    scores.masked_fill_(~batch.decode_mask[None, :, None, :], float("-inf"))
+    o = torch.matmul(torch.softmax(scores, dim=-1), v)          # [KV, B, G, D]
+    return o.transpose(0, 1).reshape(B, H, D)

@@ -1,0 +1,119 @@
+"""`tessera bench serve`: a load generator for any OpenAI-compatible server (Tessera, vLLM,
+llama.cpp). Prompts are random token ids of exactly --input-len tokens sent to /v1/completions
+(or their decoded text to /v1/chat/completions); each asks for --output-len tokens with
+ignore_eos. Requests go out all at once, at a Poisson rate, and/or under a concurrency cap.
+
+TTFT: send -> first streamed token; TPOT: (E2E - TTFT) / (tokens - 1) per request; ITL: gaps
+between streamed chunks; E2E: send -> last chunk; output tokens/s: all output tokens / wall time.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+
+import httpx
+
+
+def _percentiles(xs: list[float]) -> dict:
+    if not xs:
+        return {"mean": None, "p50": None, "p99": None}
+    s = sorted(xs)
+    pick = lambda q: s[min(len(s) - 1, int(round(q * (len(s) - 1))))]  # noqa: E731
+    return {"mean": round(statistics.fmean(s) * 1000, 2), "p50": round(pick(0.5) * 1000, 2),
+            "p99": round(pick(0.99) * 1000, 2)}
+
+
+async def _one(client: httpx.AsyncClient, a, model: str, prompt: list[int], text: str) -> dict:
+    body = {"model": model, "max_tokens": a.output_len, "stream": True, "temperature": 0,
+            "stream_options": {"include_usage": True}}
+    if not a.no_ignore_eos:
+        body["ignore_eos"] = True
+    if a.endpoint == "chat":
+        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": text}]
+    else:
+        path, body["prompt"] = "/v1/completions", prompt
+    start = time.perf_counter()
+    times: list[float] = []
+    tokens = 0
+    async with client.stream("POST", a.base_url + path, json=body) as r:
+        if r.status_code != 200:
+            return {"ok": False, "error": f"{r.status_code} {(await r.aread())[:200]!r}"}
+        async for line in r.aiter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for c in chunk.get("choices") or []:
+                piece = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
+                if piece:
+                    times.append(time.perf_counter() - start)
+    if not times:
+        return {"ok": False, "error": "no tokens streamed"}
+    tokens = tokens or len(times)
+    e2e = times[-1]
+    return {"ok": True, "ttft": times[0], "e2e": e2e, "tokens": tokens,
+            "tpot": (e2e - times[0]) / (tokens - 1) if tokens > 1 else None,
+            "itl": [b - a for a, b in zip(times, times[1:])]}
+
+
+async def run(a: argparse.Namespace) -> dict:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+        model = a.model or (await client.get(a.base_url + "/v1/models")).json()["data"][0]["id"]
+        prompts, texts = _make_prompts(a)
+        sem = asyncio.Semaphore(a.concurrency or len(prompts))
+        rng = random.Random(a.seed)
+
+        async def limited(p, t):
+            async with sem:
+                return await _one(client, a, model, p, t)
+
+        start = time.perf_counter()
+        tasks = []
+        for p, t in zip(prompts, texts):
+            tasks.append(asyncio.create_task(limited(p, t)))
+            if a.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(a.request_rate))
+        results = await asyncio.gather(*tasks)
+        wall = time.perf_counter() - start
+    ok = [r for r in results if r["ok"]]
+    out_tokens = sum(r["tokens"] for r in ok)
+    return {
+        "base_url": a.base_url, "model": model, "endpoint": a.endpoint, "num_prompts": len(prompts),
+        "input_len": a.input_len, "output_len": a.output_len, "concurrency": a.concurrency,
+        "request_rate": None if a.request_rate == float("inf") else a.request_rate,
+        "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r["error"] for r in results if not r["ok"]})[:5],
+        "duration_s": round(wall, 2), "output_tok_s": round(out_tokens / wall, 1),
+        "request_per_s": round(len(ok) / wall, 3),
+        "ttft_ms": _percentiles([r["ttft"] for r in ok]),
+        "tpot_ms": _percentiles([r["tpot"] for r in ok if r["tpot"] is not None]),
+        "itl_ms": _percentiles([x for r in ok for x in r["itl"]]),
+        "e2e_ms": _percentiles([r["e2e"] for r in ok]),
+    }
+
+
+def _make_prompts(a: argparse.Namespace) -> tuple[list[list[int]], list[str]]:
+    """Random token ids of exactly input_len (and their text, for the chat endpoint)."""
+    from tessera.tokenizer import load_tokenizer
+    tok = load_tokenizer(a.tokenizer)
+    rng = random.Random(a.seed)
+    special = set(tok.all_special_ids)
+    vocab = [i for i in range(len(tok)) if i not in special]
+    prompts = [[rng.choice(vocab) for _ in range(a.input_len)] for _ in range(a.num_prompts)]
+    return prompts, [tok.decode(p) for p in prompts]
+
+
+def main(a: argparse.Namespace) -> int:
+    result = asyncio.run(run(a))
+    if a.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for k, v in result.items():
+            print(f"{k:>14}: {v}")
+    return 0 if result["failed"] == 0 else 1
