@@ -14,8 +14,10 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 def tiny_models(tmp_path_factory) -> dict[str, str]:
     from tessera.models.random_init import write_random_model
     root = tmp_path_factory.mktemp("models")
-    return {arch: str(write_random_model(arch, root / arch, seed=0))
-            for arch in ("llama", "mixtral", "qwen2_moe")}
+    models = {arch: str(write_random_model(arch, root / arch, seed=0))
+              for arch in ("llama", "mixtral", "qwen2_moe", "qwen3_moe")}
+    models["llama_sharded"] = str(write_random_model("llama", root / "llama_sharded", seed=1, shards=3))
+    return models
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from tessera.scheduler import ScheduledRequest, StepPlan
 PROMPTS = [[1, 450, 3000, 17, 99, 4093], [2000, 5, 6, 7], [42] * 3 + [31000, 12, 9, 77, 1000, 20000]]
 
 
-@pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen2_moe", "qwen3_moe", "llama_sharded"])
 def test_prefill_logits_match_transformers(tiny_models, arch):
     path = tiny_models[arch]
     model, cfg = load_model(path, torch.float32)
@@ -34,7 +34,7 @@ def test_prefill_logits_match_transformers(tiny_models, arch):
         assert torch.allclose(ours[0], theirs, atol=1e-4, rtol=0), (ours[0] - theirs).abs().max()
 
 
-@pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen2_moe", "qwen3_moe", "llama_sharded"])
 def test_greedy_32_tokens_match_transformers(tiny_models, arch):
     path = tiny_models[arch]
     engine = Engine(EngineConfig(model=path, dtype="float32", cache=CacheConfig(block_size=4, num_blocks=64)))

@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_gateway)
     model = sub.add_parser("model").add_subparsers(dest="model_command", required=True)
     p = model.add_parser("init-random", help="write a tiny random checkpoint (HF format)")
-    p.add_argument("--arch", required=True, choices=["llama", "mixtral", "qwen2_moe"])
+    p.add_argument("--arch", required=True, choices=["llama", "mixtral", "qwen2_moe", "qwen3_moe"])
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_init_random)

@@ -23,6 +23,10 @@ CONFIGS = {
                       shared_expert_intermediate_size=96, norm_topk_prob=False,
                       decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
                       qkv_bias=True),
+    "qwen3_moe": dict(_BASE, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, head_dim=32,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
+                      use_sliding_window=False, attention_bias=False),
 }
 
 
@@ -30,7 +34,7 @@ def random_checkpoint(arch: str, seed: int = 0, **overrides) -> tuple[dict, dict
     cfg = dict(CONFIGS[arch], **overrides)
     g = torch.Generator().manual_seed(seed)
     h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = h // heads
+    d = cfg.get("head_dim") or h // heads
     rand = lambda *shape: torch.randn(*shape, generator=g) * 0.2  # noqa: E731 (std large enough for varied tokens)
     norm = lambda: 1.0 + 0.1 * torch.randn(h, generator=g)  # noqa: E731
     t = {"model.embed_tokens.weight": rand(cfg["vocab_size"], h), "model.norm.weight": norm(),
@@ -44,7 +48,11 @@ def random_checkpoint(arch: str, seed: int = 0, **overrides) -> tuple[dict, dict
             for name in ("q", "k", "v"):
                 rows = t[p + f"self_attn.{name}_proj.weight"].shape[0]
                 t[p + f"self_attn.{name}_proj.bias"] = rand(rows)
-        t |= _ffn(arch, cfg, p, rand)
+        if arch == "qwen3_moe":
+            t[p + "self_attn.q_norm.weight"] = 1.0 + 0.1 * torch.randn(d, generator=g)
+            t[p + "self_attn.k_norm.weight"] = 1.0 + 0.1 * torch.randn(d, generator=g)
+        dense = arch == "llama" or i in cfg.get("mlp_only_layers", [])
+        t |= _ffn("llama" if dense else arch, cfg, p, rand)
     return cfg, t
 
 
@@ -61,11 +69,13 @@ def _ffn(arch: str, cfg: dict, p: str, rand) -> dict[str, torch.Tensor]:
             q = p + f"block_sparse_moe.experts.{j}."
             out |= {q + "w1.weight": rand(i, h), q + "w3.weight": rand(i, h), q + "w2.weight": rand(h, i)}
         return out
-    i, e, s = cfg["moe_intermediate_size"], cfg["num_experts"], cfg["shared_expert_intermediate_size"]
-    out = {p + "mlp.gate.weight": rand(e, h), p + "mlp.shared_expert_gate.weight": rand(1, h),
-           p + "mlp.shared_expert.gate_proj.weight": rand(s, h),
-           p + "mlp.shared_expert.up_proj.weight": rand(s, h),
-           p + "mlp.shared_expert.down_proj.weight": rand(h, s)}
+    i, e, s = cfg["moe_intermediate_size"], cfg["num_experts"], cfg.get("shared_expert_intermediate_size", 0)
+    out = {p + "mlp.gate.weight": rand(e, h)}
+    if s:
+        out |= {p + "mlp.shared_expert_gate.weight": rand(1, h),
+                p + "mlp.shared_expert.gate_proj.weight": rand(s, h),
+                p + "mlp.shared_expert.up_proj.weight": rand(s, h),
+                p + "mlp.shared_expert.down_proj.weight": rand(h, s)}
     for j in range(e):
         q = p + f"mlp.experts.{j}."
         out |= {q + "gate_proj.weight": rand(i, h), q + "up_proj.weight": rand(i, h),
@@ -73,13 +83,23 @@ def _ffn(arch: str, cfg: dict, p: str, rand) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_random_model(arch: str, out: str | pathlib.Path, seed: int = 0, **overrides) -> pathlib.Path:
+def write_random_model(arch: str, out: str | pathlib.Path, seed: int = 0, shards: int = 1,
+                       **overrides) -> pathlib.Path:
+    """Write the checkpoint; shards > 1 splits it HF-style with a model.safetensors.index.json."""
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg, tensors = random_checkpoint(arch, seed, **overrides)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    names = sorted(tensors)
+    files = [f"model-{k + 1:05d}-of-{shards:05d}.safetensors" for k in range(shards)] if shards > 1 \
+        else ["model.safetensors"]
+    weight_map = {}
+    for k, file in enumerate(files):
+        part = names[k::len(files)]
+        save_file({n: tensors[n].contiguous() for n in part}, str(out / file), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(part, file)
+    if shards > 1:
+        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     from tessera.tokenizer import load_tokenizer
     load_tokenizer("smollm2").save_pretrained(str(out))
     return out

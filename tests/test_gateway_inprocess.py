@@ -1,0 +1,68 @@
+"""The gateway with its in-process twin worker (LocalWorkerClient) and with an unreachable
+gRPC worker: saturation and outages answer 503 with Retry-After, never a 500 or a hang."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from tessera.async_engine import AsyncEngine
+from tessera.config import CacheConfig, EngineConfig, SchedulerConfig
+from tessera.engine import Engine
+from tessera.entrypoints.gateway.app import create_app
+from tessera.local_client import LocalWorkerClient
+from tessera.rpc.client import GrpcWorkerClient
+from servers import free_port
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_models):
+    cfg = EngineConfig(model=tiny_models["llama"], dtype="float32", cache=CacheConfig(block_size=4, num_blocks=128),
+                       scheduler=SchedulerConfig(max_num_seqs=1, max_waiting=1))
+    engine = AsyncEngine(Engine(cfg))
+    yield engine
+    engine.shutdown()
+
+
+def asgi(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw", timeout=60)
+
+
+def test_saturated_worker_answers_503_with_retry_after(tiny_engine):
+    app = create_app(LocalWorkerClient(tiny_engine), "tiny")
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True}
+
+    async def main():
+        async with asgi(app) as c:
+            results = await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(4)))
+            return [(r.status_code, r.headers.get("retry-after"), r.json()) for r in results]
+
+    results = asyncio.run(main())
+    statuses = sorted(s for s, _, _ in results)
+    assert statuses[0] == 200 and 503 in statuses and set(statuses) <= {200, 503}
+    for status, retry, body in results:
+        if status == 503:
+            assert retry == "1" and body["error"]["type"] == "service_unavailable"
+        else:
+            assert body["choices"][0]["finish_reason"] == "length"
+    assert tiny_engine.engine.kv.num_free_blocks == tiny_engine.engine.kv.num_blocks
+
+
+def test_unreachable_worker_is_503_not_500():
+    app = create_app(GrpcWorkerClient(f"127.0.0.1:{free_port()}", timeout_s=5), "m")
+
+    async def main():
+        async with asgi(app) as c:
+            chat = await c.post("/v1/chat/completions",
+                                json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+            stream = await c.post("/v1/completions", json={"model": "m", "prompt": "hi", "stream": True})
+            health = await c.get("/health")
+            metrics = await c.get("/metrics")
+            return chat, stream, health, metrics
+
+    chat, stream, health, metrics = asyncio.run(main())
+    for r in (chat, stream):
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert health.status_code == 503 and metrics.status_code == 200
