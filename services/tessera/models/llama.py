@@ -17,7 +17,7 @@ from tessera.batch import ForwardBatch
 from tessera.layers.attention import paged_attention
 from tessera.layers.mlp import SwiGLU
 from tessera.layers.norm import RMSNorm
-from tessera.layers.rope import RotaryEmbedding
+from tessera.layers.rope import RotaryEmbedding, apply_rope
 from tessera.models.model_config import ModelConfig
 
 
@@ -36,7 +36,7 @@ class LlamaAttention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor],
-                rope: RotaryEmbedding) -> torch.Tensor:
+                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(self.norm(x))
         q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
@@ -46,7 +46,7 @@ class LlamaAttention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(batch.positions, q, k)
+        q, k = apply_rope(q, k, *rope)
         o = paged_attention(q, k, v, kv[0], kv[1], batch, self.scale)
         return self.o_proj(o.reshape(T, -1))
 
@@ -92,8 +92,9 @@ class CausalLM(nn.Module):
                 ) -> torch.Tensor:
         """Hidden states after the final norm, for the tokens in batch.logits_idx."""
         x = self.embed_tokens(batch.input_ids)
+        rope = self.rope(batch.positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches):
-            h = x + layer.attn(x, batch, kv, self.rope)
+            h = x + layer.attn(x, batch, kv, rope)
             x = h + layer.ffn(h)
         return self.norm(x[batch.logits_idx])
 
