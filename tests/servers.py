@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Callable
 
 import httpx
 
@@ -18,27 +19,19 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def tessera_serve(*args: str, timeout_s: float = 180.0):
-    """`tessera serve ARGS` on free ports; yields the gateway's base URL once /health passes."""
-    port, worker_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "tessera.cli", "serve", "--port", str(port),
-           "--worker-port", str(worker_port), *args]
-    proc = subprocess.Popen(cmd, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
-    url = f"http://127.0.0.1:{port}"
+def _process(args: list[str], ready: Callable[[], bool], timeout_s: float):
+    """`python -m tessera.cli ARGS` until ready() is true; terminated (then killed) on exit."""
+    proc = subprocess.Popen([sys.executable, "-m", "tessera.cli", *args],
+                            env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
     try:
         deadline = time.monotonic() + timeout_s
-        while True:
+        while not ready():
             if proc.poll() is not None:
-                raise RuntimeError(f"tessera serve exited with {proc.returncode}")
-            try:
-                if httpx.get(url + "/health", timeout=30).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
+                raise RuntimeError(f"tessera {args[0]} exited with {proc.returncode}")
             if time.monotonic() > deadline:
-                raise TimeoutError("tessera serve did not become healthy")
+                raise TimeoutError(f"tessera {args[0]} did not become ready")
             time.sleep(0.5)
-        yield url
+        yield proc
     finally:
         proc.terminate()
         try:
@@ -48,33 +41,39 @@ def tessera_serve(*args: str, timeout_s: float = 180.0):
 
 
 @contextlib.contextmanager
+def tessera_serve(*args: str, timeout_s: float = 180.0):
+    """`tessera serve ARGS` on free ports; yields the gateway's base URL once /health passes."""
+    port, worker_port = free_port(), free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        try:
+            return httpx.get(url + "/health", timeout=30).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    with _process(["serve", "--port", str(port), "--worker-port", str(worker_port), *args], healthy, timeout_s):
+        yield url
+
+
+@contextlib.contextmanager
 def tessera_worker(*args: str, timeout_s: float = 180.0):
-    """`tessera worker ARGS` on a free port; yields its address once grpc.health.v1 says SERVING."""
+    """`tessera worker ARGS` on a free port; yields (address, process) once grpc.health.v1 says SERVING."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tessera.cli", "worker", "--port", str(port), *args])
-    address = f"127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"tessera worker exited with {proc.returncode}")
-                try:
-                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
-                            health_pb2.HealthCheckResponse.SERVING:
-                        break
-                except grpc.RpcError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError("tessera worker did not become healthy")
-                time.sleep(0.5)
-        yield address
-    finally:
-        proc.terminate()
+    address = f"127.0.0.1:{free_port()}"
+    channel = grpc.insecure_channel(address)
+    stub = health_pb2_grpc.HealthStub(channel)
+
+    def serving() -> bool:
         try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            return stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
+                health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+
+    try:
+        with _process(["worker", "--port", address.rsplit(":", 1)[1], *args], serving, timeout_s) as proc:
+            yield address, proc
+    finally:
+        channel.close()

@@ -66,3 +66,28 @@ def test_unreachable_worker_is_503_not_500():
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert health.status_code == 503 and metrics.status_code == 200
+
+
+def test_worker_killed_mid_stream_ends_with_error_event(tiny_models):
+    import signal
+
+    from servers import tessera_worker
+
+    with tessera_worker("--model", tiny_models["llama"]) as (address, worker):
+        app = create_app(GrpcWorkerClient(address, timeout_s=30), "tiny")
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1500, "ignore_eos": True, "stream": True}
+
+        async def main():
+            async with asgi(app) as c:
+                async def kill_soon():
+                    await asyncio.sleep(1.0)
+                    worker.send_signal(signal.SIGKILL)
+                killer = asyncio.create_task(kill_soon())
+                r = await asyncio.wait_for(c.post("/v1/completions", json=body), timeout=30)
+                await killer
+                return r
+
+        r = asyncio.run(main())
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert r.status_code == 200 and events[-1] == "[DONE]"
+    assert '"error"' in events[-2] and "unavailable" in events[-2].lower()

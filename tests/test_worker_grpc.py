@@ -13,7 +13,7 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def stub(tiny_models):
-    with tessera_worker("--model", tiny_models["llama"], "--num-kv-blocks", "64", "--block-size", "8") as addr:
+    with tessera_worker("--model", tiny_models["llama"], "--num-kv-blocks", "64", "--block-size", "8") as (addr, _):
         with grpc.insecure_channel(addr) as channel:
             yield worker_pb2_grpc.WorkerStub(channel), health_pb2_grpc.HealthStub(channel)
 

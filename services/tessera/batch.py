@@ -28,7 +28,8 @@ class ForwardBatch:
     positions: torch.Tensor        # [T] int64
     slot_mapping: torch.Tensor     # [T] int64: where each token's K/V is written
     decode_token_idx: torch.Tensor  # [B] int64: which of the T tokens are decode tokens
-    decode_blocks: torch.Tensor    # [B * W] int64: each decode request's blocks, padded to W
+    decode_block_tables: torch.Tensor  # [B, W] int64: each decode request's blocks, padded to W
+    decode_context_lens: torch.Tensor  # [B] int64
     decode_mask: torch.Tensor      # [B, W * block_size] bool: True where the slot is in the context
     prefills: list[PrefillChunk]
     logits_idx: torch.Tensor       # [S] int64: tokens whose logits are sampled
@@ -64,13 +65,14 @@ def build_forward_batch(plan: StepPlan, block_size: int) -> ForwardBatch:
             prefills.append(_prefill_chunk(start, n, entry.start_pos, table, block_size))
         if entry.sample:
             logits_idx.append(start + n - 1)
-    decode_blocks, decode_mask = _decode_context(decode_tables, decode_lens, block_size)
+    decode_tables_t, decode_mask = _decode_context(decode_tables, decode_lens, block_size)
     return ForwardBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long),
         positions=torch.tensor(positions, dtype=torch.long),
         slot_mapping=torch.tensor(slots, dtype=torch.long),
         decode_token_idx=torch.tensor(decode_idx, dtype=torch.long),
-        decode_blocks=decode_blocks,
+        decode_block_tables=decode_tables_t,
+        decode_context_lens=torch.tensor(decode_lens, dtype=torch.long),
         decode_mask=decode_mask,
         prefills=prefills,
         logits_idx=torch.tensor(logits_idx, dtype=torch.long),
@@ -97,7 +99,7 @@ def _decode_context(tables: list[tuple[int, ...]], lens: list[int],
                     block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Pad every decode request's block list to the longest one; the mask hides the padding."""
     width = max((-(-n // block_size) for n in lens), default=0)
-    padded = [b for t in tables for b in (list(t[:width]) + [0] * (width - min(len(t), width)))]
+    padded = [list(t[:width]) + [0] * (width - min(len(t), width)) for t in tables]
     lens_t = torch.tensor(lens, dtype=torch.long)
     mask = torch.arange(width * block_size)[None, :] < lens_t[:, None]
-    return torch.tensor(padded, dtype=torch.long), mask
+    return torch.tensor(padded, dtype=torch.long).reshape(len(tables), width), mask

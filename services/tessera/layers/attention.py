@@ -1,10 +1,11 @@
 """Paged attention over a per-layer KV cache laid out [kv_heads, num_blocks * block_size, head_dim].
 
-New K/V are written to their slots first. Decode tokens then attend as one padded batch:
-their blocks are gathered whole (one index_select per layer), which with this layout is
-already [kv_heads, B, L, head_dim], and the query heads that share a KV head are grouped so
-that GQA needs no copy of K/V. Each prefill chunk attends causally, to itself alone when it
-starts at position 0, else to its gathered context with an offset causal mask.
+New K/V are written to their slots first. Decode tokens then attend as one batch: with the
+C kernel (tessera_kernels.paged_attention_cpu, float32) straight from the paged cache; else
+their blocks are gathered whole (one index_select per layer, already [kv_heads, B, L, D] in
+this layout) and query heads sharing a KV head are grouped so GQA needs no copy of K/V.
+Each prefill chunk attends causally, to itself alone when it starts at position 0, else to
+its gathered context with an offset causal mask.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.batch import ForwardBatch
+from tessera_kernels import paged_attention_cpu
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -43,12 +45,23 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             batch: ForwardBatch, scale: float) -> torch.Tensor:
+    """The one place that picks the decode implementation: the C kernel where it applies."""
+    if q.dtype == torch.float32 and q.device.type == "cpu" and paged_attention_cpu.available():
+        return paged_attention_cpu.paged_decode_attention(
+            q.contiguous(), k_cache, v_cache, batch.decode_block_tables, batch.decode_context_lens,
+            batch.block_size, scale)
+    return _decode_gathered(q, k_cache, v_cache, batch, scale)
+
+
+def _decode_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     batch: ForwardBatch, scale: float) -> torch.Tensor:
     """One query token per request: softmax(q K^T * scale + mask) V, GQA by grouping heads."""
     B, H, D = q.shape
     KV, S, _ = k_cache.shape
     bs = batch.block_size
-    k = k_cache.view(KV, S // bs, bs * D).index_select(1, batch.decode_blocks).view(KV, B, -1, D)
-    v = v_cache.view(KV, S // bs, bs * D).index_select(1, batch.decode_blocks).view(KV, B, -1, D)
+    blocks = batch.decode_block_tables.reshape(-1)
+    k = k_cache.view(KV, S // bs, bs * D).index_select(1, blocks).view(KV, B, -1, D)
+    v = v_cache.view(KV, S // bs, bs * D).index_select(1, blocks).view(KV, B, -1, D)
     qg = q.view(B, KV, H // KV, D).transpose(0, 1)              # [KV, B, G, D]
     scores = torch.matmul(qg, k.transpose(-1, -2)) * scale      # [KV, B, G, L]
     scores.masked_fill_(~batch.decode_mask[None, :, None, :], float("-inf"))

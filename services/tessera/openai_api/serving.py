@@ -27,9 +27,10 @@ class Choice:
     prompt_tokens: int = 0
 
 
-async def merged(client: WorkerClient, inputs: list[GenerateInput], metrics: GatewayMetrics
+async def merged(client: WorkerClient, inputs: list[GenerateInput], metrics: GatewayMetrics | None
                  ) -> AsyncIterator[tuple[int, GenerateChunk | WorkerError]]:
-    """(choice index, chunk) from every input as they arrive; an error ends that choice."""
+    """(choice index, chunk) from every input as they arrive; an error ends that choice.
+    metrics None: not a user request (the health probe), so nothing is recorded."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, inp: GenerateInput) -> None:
@@ -37,7 +38,8 @@ async def merged(client: WorkerClient, inputs: list[GenerateInput], metrics: Gat
         try:
             async for chunk in client.generate(inp):
                 now = time.monotonic()
-                metrics.observe_token(chunk, now - start, now - last, first=last == start)
+                if metrics is not None:
+                    metrics.observe_token(chunk, now - start, now - last, first=last == start)
                 last = now
                 await queue.put((i, chunk))
         except WorkerError as e:
@@ -45,7 +47,8 @@ async def merged(client: WorkerClient, inputs: list[GenerateInput], metrics: Gat
         except Exception as e:  # a bug or transport failure must still end the choice
             await queue.put((i, WorkerError(f"{type(e).__name__}: {e}")))
         finally:
-            metrics.e2e.observe(time.monotonic() - start)
+            if metrics is not None:
+                metrics.e2e.observe(time.monotonic() - start)
             await queue.put((i, None))
 
     tasks = [asyncio.create_task(pump(i, inp)) for i, inp in enumerate(inputs)]
@@ -63,7 +66,7 @@ async def merged(client: WorkerClient, inputs: list[GenerateInput], metrics: Gat
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def collect(client: WorkerClient, inputs: list[GenerateInput], metrics: GatewayMetrics
+async def collect(client: WorkerClient, inputs: list[GenerateInput], metrics: GatewayMetrics | None
                   ) -> list[Choice]:
     choices = [Choice(i) for i in range(len(inputs))]
     async for i, item in merged(client, inputs, metrics):

@@ -31,7 +31,13 @@ def create_app(client: WorkerClient, model_name: str) -> FastAPI:
     app = FastAPI(title="Tessera", version="0.1.0")
     metrics = GatewayMetrics(model_name)
     app.state.client, app.state.metrics = client, metrics
+    _add_middleware_and_errors(app, metrics)
+    _add_openai_routes(app, client, metrics, model_name)
+    _add_ops_routes(app, client, metrics)
+    return app
 
+
+def _add_middleware_and_errors(app: FastAPI, metrics: GatewayMetrics) -> None:
     @app.middleware("http")
     async def request_id(request: Request, call_next):
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
@@ -60,6 +66,8 @@ def create_app(client: WorkerClient, model_name: str) -> FastAPI:
     async def on_http(request: Request, exc: HTTPException):
         return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
 
+
+def _add_openai_routes(app: FastAPI, client: WorkerClient, metrics: GatewayMetrics, model_name: str) -> None:
     async def check_model(model: str) -> None:
         if model != model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
@@ -97,6 +105,8 @@ def create_app(client: WorkerClient, model_name: str) -> FastAPI:
         first, events = await start(client, inputs, metrics)
         return StreamingResponse(stream(first, events, len(inputs), shape), media_type="text/event-stream")
 
+
+def _add_ops_routes(app: FastAPI, client: WorkerClient, metrics: GatewayMetrics) -> None:
     @app.get("/health")
     async def health():
         """Deep health: one greedy token through the worker's engine loop, with a deadline."""
@@ -104,7 +114,7 @@ def create_app(client: WorkerClient, model_name: str) -> FastAPI:
                               token_ids=(0,))
         t0 = time.monotonic()
         try:
-            await asyncio.wait_for(collect(client, [probe], metrics), HEALTH_TIMEOUT_S)
+            await asyncio.wait_for(collect(client, [probe], None), HEALTH_TIMEOUT_S)
         except (asyncio.TimeoutError, WorkerError) as e:
             return JSONResponse({"status": "unhealthy", "error": str(e) or "timeout"}, status_code=503)
         return {"status": "ok", "engine_roundtrip_s": round(time.monotonic() - t0, 4)}
@@ -117,8 +127,6 @@ def create_app(client: WorkerClient, model_name: str) -> FastAPI:
         except WorkerError:
             pass
         return Response(metrics.render(info), media_type="text/plain; version=0.0.4")
-
-    return app
 
 
 def _usage(body) -> bool:
