@@ -81,7 +81,8 @@ def _cpu_id() -> bytes:
 
 
 def available() -> bool:
-    return _library() is not None
+    """True when the C kernel is built (TESSERA_DISABLE_CPU_KERNELS=1 turns it off)."""
+    return os.environ.get("TESSERA_DISABLE_CPU_KERNELS") != "1" and _library() is not None
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
