@@ -1,0 +1,131 @@
+"""M2N transport over TCP sockets between processes: one connection per (sender, receiver),
+frames of a fixed header, the shape, then the raw tensor bytes (no pickling). A reader thread
+per incoming connection copies each frame into the receiver's Mailbox slot, waiting while the
+slot is busy, so TCP flow control pushes back on a sender that runs ahead of its receiver."""
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+
+import torch
+
+from tessera.transport.base import DTYPE_CODES, DTYPES, Mailbox, Tag, TransportError, tensor_bytes
+
+log = logging.getLogger("tessera.transport.tcp")
+_HEADER = struct.Struct("<qiiBBBxQ")   # step, micro_batch, layer, direction, dtype, ndim, nbytes
+_HELLO = struct.Struct("<H")           # length of the sender's name, then the name
+_MAX_NDIM = 8
+
+
+class TcpTransport:
+    def __init__(self, name: str, host: str = "127.0.0.1", port: int = 0, slots: int = 2,
+                 peers: dict[str, tuple[str, int]] | None = None) -> None:
+        self.name = name
+        self.mailbox = Mailbox(slots)
+        self.peers = dict(peers or {})
+        self._conns: dict[str, tuple[socket.socket, threading.Lock]] = {}
+        self._conns_lock = threading.Lock()
+        self._server = socket.create_server((host, port))
+        self.address = self._server.getsockname()[:2]
+        self.rejected = 0
+        threading.Thread(target=self._accept, name=f"tcp-accept-{name}", daemon=True).start()
+
+    def add_peer(self, name: str, address: tuple[str, int]) -> None:
+        self.peers[name] = address
+
+    def send(self, dst: str, tag: Tag, tensor: torch.Tensor) -> None:
+        if tensor.dtype not in DTYPE_CODES or tensor.dim() > _MAX_NDIM:
+            raise TransportError(f"cannot send {tensor.dtype} tensor of {tensor.dim()} dims")
+        payload = tensor_bytes(tensor).numpy()
+        header = _HEADER.pack(tag.step, tag.micro_batch, tag.layer, tag.direction,
+                              DTYPE_CODES[tensor.dtype], tensor.dim(), payload.nbytes)
+        shape = struct.pack(f"<{tensor.dim()}q", *tensor.shape)
+        sock, lock = self._connection(dst)
+        with lock:
+            try:
+                sock.sendall(header + shape)
+                sock.sendall(memoryview(payload))
+            except OSError as e:
+                self._drop(dst)
+                raise TransportError(f"send to {dst} failed: {e}") from e
+
+    def recv(self, src: str, tag: Tag, timeout_s: float = 30.0) -> torch.Tensor:
+        return self.mailbox.get(src, tag, timeout_s)
+
+    def release(self, src: str, tag: Tag) -> None:
+        self.mailbox.release(src, tag)
+
+    def close(self) -> None:
+        self.mailbox.close()
+        self._server.close()
+        with self._conns_lock:
+            for sock, _ in self._conns.values():
+                sock.close()
+            self._conns.clear()
+
+    def _connection(self, dst: str) -> tuple[socket.socket, threading.Lock]:
+        with self._conns_lock:
+            if dst not in self._conns:
+                if dst not in self.peers:
+                    raise TransportError(f"unknown endpoint {dst}")
+                try:
+                    sock = socket.create_connection(self.peers[dst], timeout=10)
+                except OSError as e:
+                    raise TransportError(f"cannot reach {dst} at {self.peers[dst]}: {e}") from e
+                sock.settimeout(None)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                name = self.name.encode()
+                sock.sendall(_HELLO.pack(len(name)) + name)
+                self._conns[dst] = (sock, threading.Lock())
+            return self._conns[dst]
+
+    def _drop(self, dst: str) -> None:
+        with self._conns_lock:
+            conn = self._conns.pop(dst, None)
+        if conn is not None:
+            conn[0].close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._server.accept()
+            except OSError:
+                return
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._read, args=(sock,), daemon=True).start()
+
+    def _read(self, sock: socket.socket) -> None:
+        """Frames from one sender until it disconnects; a malformed frame closes only this link."""
+        with sock:
+            try:
+                (n,) = _HELLO.unpack(_read_exact(sock, _HELLO.size))
+                src = _read_exact(sock, n).decode()
+                while True:
+                    self._read_frame(sock, src)
+            except (ConnectionError, OSError):
+                return
+            except TransportError as e:
+                self.rejected += 1
+                log.warning("rejected a message: %s", e)
+
+    def _read_frame(self, sock: socket.socket, src: str) -> None:
+        step, mb, layer, direction, code, ndim, nbytes = _HEADER.unpack(_read_exact(sock, _HEADER.size))
+        if code not in DTYPES or ndim > _MAX_NDIM or direction > 1:
+            raise TransportError(f"malformed header from {src}: dtype {code}, ndim {ndim}")
+        shape = struct.unpack(f"<{ndim}q", _read_exact(sock, 8 * ndim))
+        payload = _read_exact(sock, nbytes)
+        self.mailbox.put(src, Tag(step, mb, layer, direction), DTYPES[code], shape, payload)
+
+
+def _read_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError("peer closed")
+        got += k
+    return buf
