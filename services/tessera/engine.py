@@ -58,7 +58,8 @@ def _has_cpuinfo() -> bool:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, model=None, tokenizer=None) -> None:
+    def __init__(self, config: EngineConfig, model=None, tokenizer=None, make_runner=ModelRunner) -> None:
+        """make_runner(model, num_blocks, block_size) builds the runner (AFD swaps in its own)."""
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -80,7 +81,7 @@ class Engine:
         num_blocks = cache.num_blocks or max(1, int(cache.kv_cache_gib * 2**30 // per_block))
         self.kv = KVCacheManager(num_blocks, cache.block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.runner = ModelRunner(model, num_blocks, cache.block_size)
+        self.runner = make_runner(model, num_blocks, cache.block_size)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
             {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         self._detok: dict[str, IncrementalDetokenizer] = {}

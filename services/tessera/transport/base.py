@@ -62,7 +62,8 @@ def combine(t: Transport, tag: Tag, sources: list[str], timeout_s: float = 30.0)
 
 class _Slot:
     def __init__(self) -> None:
-        self.buffer = torch.empty(0, dtype=torch.uint8)
+        with torch.inference_mode(False):   # a plain tensor, even if created under inference_mode
+            self.buffer = torch.empty(0, dtype=torch.uint8)
         self.tag: Tag | None = None
         self.dtype = torch.float32
         self.shape: tuple[int, ...] = ()
@@ -93,9 +94,11 @@ class Mailbox:
             slot = self._slots.setdefault(self._key(src, tag), _Slot())
             if not self._cond.wait_for(lambda: slot.tag is None or self.closed, timeout_s):
                 raise TransportError(f"slot for {tag} from {src} still busy after {timeout_s} s")
-            if slot.buffer.numel() < nbytes:
-                slot.buffer = torch.empty(nbytes, dtype=torch.uint8)
-            slot.buffer[:nbytes].copy_(_as_uint8(payload))
+            # Slots are plain tensors whoever sends (a sender may run under inference_mode).
+            with torch.inference_mode(False), torch.no_grad():
+                if slot.buffer.numel() < nbytes:
+                    slot.buffer = torch.empty(nbytes, dtype=torch.uint8)
+                slot.buffer[:nbytes].copy_(_as_uint8(payload))
             slot.tag, slot.dtype, slot.shape = tag, dtype, shape
             self._cond.notify_all()
 

@@ -1,0 +1,95 @@
+"""The attention side of AFD: a model runner (same execute(plan) contract as ModelRunner) that
+keeps embeddings, attention halves, KV cache, FFN norms, routers, shared experts and the LM
+head, and sends each layer's FFN work to the expert nodes over the M2N transport.
+
+Ping-pong (MegaScale-Infer §3.3): the step's requests are split into m micro-batches; at each
+layer all m attention halves run and are dispatched before the first reply is awaited, so
+expert nodes compute micro-batch i while this node runs attention for micro-batch i + 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tessera.batch import ForwardBatch, build_forward_batch
+from tessera.disagg.expert_shard import CONTROL_LAYER, split_range
+from tessera.model_runner import ModelRunner
+from tessera.models.llama import CausalLM
+from tessera.scheduler import StepPlan
+from tessera.transport.base import COMBINE, DISPATCH, Tag, Transport
+
+
+@dataclass
+class _InFlight:
+    h: torch.Tensor                   # residual stream after attention
+    x: torch.Tensor                   # FFN input (normalized)
+    selected: list[torch.Tensor | None]  # per expert node: token rows sent (None: all, dense)
+
+
+class AttentionRunner(ModelRunner):
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, transport: Transport,
+                 expert_nodes: list[str], micro_batches: int = 1, timeout_s: float = 30.0) -> None:
+        super().__init__(model, num_blocks, block_size)
+        if micro_batches < 1:
+            raise ValueError("micro_batches must be >= 1")
+        self.transport, self.expert_nodes = transport, expert_nodes
+        self.micro_batches, self.timeout_s = micro_batches, timeout_s
+        cfg = model.config
+        self.ranges = [split_range(cfg.num_experts, len(expert_nodes), i) for i in range(len(expert_nodes))]
+        self.step = 0
+        self.tokens_out = 0
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        entries = list(plan.scheduled)
+        m = min(self.micro_batches, len(entries))
+        groups = [entries[slice(*split_range(len(entries), m, i))] for i in range(m)]
+        batches = [build_forward_batch(StepPlan(tuple(g)), self.block_size) for g in groups]
+        for node in self.expert_nodes:
+            self.transport.send(node, Tag(self.step, 0, CONTROL_LAYER, DISPATCH), torch.tensor([float(m)]))
+        model = self.model
+        xs = [model.embed_tokens(b.input_ids) for b in batches]
+        ropes = [model.rope(b.positions, xs[0].dtype) for b in batches]
+        for l, (layer, kv) in enumerate(zip(model.layers, self.kv_caches)):
+            flights = [self._dispatch(l, i, xs[i] + layer.attn(xs[i], b, kv, ropes[i]), layer.ffn)
+                       for i, b in enumerate(batches)]
+            xs = [self._combine(l, i, f, layer.ffn) for i, f in enumerate(flights)]
+        hidden = torch.cat([model.norm(x[b.logits_idx]) for x, b in zip(xs, batches)])
+        self.step += 1
+        return model.compute_logits(hidden)
+
+    def _dispatch(self, layer: int, mb: int, h: torch.Tensor, ffn) -> _InFlight:
+        x = ffn.norm(h)
+        tag = Tag(self.step, mb, layer, DISPATCH)
+        if not hasattr(ffn, "router"):
+            for node in self.expert_nodes:
+                self.transport.send(node, tag, x)
+            return _InFlight(h, x, [None] * len(self.expert_nodes))
+        ids, weights = ffn.router(x)
+        message = torch.cat([x.float(), ids.float(), weights.float()], dim=-1)
+        selected = []
+        for node, (first, end) in zip(self.expert_nodes, self.ranges):
+            rows = ((ids >= first) & (ids < end)).any(dim=-1).nonzero().squeeze(1)
+            self.transport.send(node, tag, message[rows])
+            self.tokens_out += int(rows.numel())
+            selected.append(rows)
+        return _InFlight(h, x, selected)
+
+    def _combine(self, layer: int, mb: int, f: _InFlight, ffn) -> torch.Tensor:
+        tag = Tag(self.step, mb, layer, COMBINE)
+        out = torch.zeros_like(f.h)
+        for node, rows in zip(self.expert_nodes, f.selected):
+            reply = self.transport.recv(node, tag, self.timeout_s)
+            if rows is None:
+                out += reply
+            else:
+                out.index_add_(0, rows, reply.to(out.dtype))
+            self.transport.release(node, tag)
+        if getattr(ffn, "shared", None) is not None:
+            out = out + torch.sigmoid(ffn.shared_gate(f.x)) * ffn.shared(f.x)
+        return f.h + out
+
+    def stop_experts(self) -> None:
+        for node in self.expert_nodes:
+            self.transport.send(node, Tag(self.step, 0, CONTROL_LAYER, DISPATCH), torch.tensor([-1.0]))

@@ -1,0 +1,114 @@
+"""An expert node's share of the model's FFNs, and the loop that serves attention nodes.
+
+For an MoE layer a shard owns experts [first, first + count) (contiguous by default); for a
+dense layer it owns columns [i0, i1) of the MLP's intermediate dimension, and the attention
+side adds the partial sums. A shard keeps no state between steps.
+
+Wire format of one FFN message (attention -> expert), float32 [n, H + 2k]: the normalized
+hidden states, then the token's k expert ids (small integers, exact in float32), then its k
+gate weights; dense layers send [n, H] only. The reply is the partial FFN output [n, H].
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.layers.moe import Experts
+from tessera.models.llama import CausalLM
+from tessera.transport.base import COMBINE, DISPATCH, Tag, Transport, TransportError
+
+CONTROL_LAYER = -1   # per step, each attention node first sends [m] (micro-batches); m < 0 stops
+
+
+def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
+    """The index-th of `parts` contiguous ranges covering [0, total)."""
+    base, extra = divmod(total, parts)
+    start = index * base + min(index, extra)
+    return start, start + base + (index < extra)
+
+
+class DenseSlice(nn.Module):
+    """Columns [i0, i1) of a SwiGLU: down[:, i0:i1] (silu(gate[i0:i1] x) * up[i0:i1] x)."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = gate.contiguous(), up.contiguous(), down.contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.silu(F.linear(x, self.gate)) * F.linear(x, self.up), self.down)
+
+
+class ExpertShard:
+    def __init__(self, layers: list[nn.Module], hidden: int, top_k: int) -> None:
+        self.layers, self.hidden, self.top_k = layers, hidden, top_k
+
+    @classmethod
+    def from_model(cls, model: CausalLM, index: int, count: int) -> "ExpertShard":
+        cfg = model.config
+        layers: list[nn.Module] = []
+        for layer in model.layers:
+            ffn = layer.ffn
+            if hasattr(ffn, "experts"):
+                first, end = split_range(cfg.num_experts, count, index)
+                shard = Experts(cfg.hidden_size, cfg.moe_intermediate_size, end - first, first)
+                shard.gate_up.data = ffn.experts.gate_up.data[first:end]
+                shard.down.data = ffn.experts.down.data[first:end]
+                layers.append(shard)
+            else:
+                inter = cfg.intermediate_size
+                i0, i1 = split_range(inter, count, index)
+                w = ffn.mlp.gate_up_proj.weight.data
+                layers.append(DenseSlice(w[i0:i1], w[inter + i0:inter + i1],
+                                         ffn.mlp.down_proj.weight.data[:, i0:i1]))
+        return cls(layers, cfg.hidden_size, cfg.num_experts_per_tok)
+
+    @torch.inference_mode()
+    def compute(self, layer: int, message: torch.Tensor) -> torch.Tensor:
+        module = self.layers[layer]
+        if message.dim() != 2 or message.shape[1] not in (self.hidden, self.hidden + 2 * self.top_k):
+            raise TransportError(f"layer {layer}: message of shape {tuple(message.shape)}")
+        if isinstance(module, DenseSlice):
+            return module(message[:, :self.hidden])
+        h, k = self.hidden, self.top_k
+        dtype = module.gate_up.dtype
+        ids = message[:, h:h + k].long()
+        return module(message[:, :h].to(dtype), ids, message[:, h + k:].to(dtype))
+
+
+class ExpertWorker:
+    """Serves one shard to attention nodes: a thread per attention node, in step order."""
+
+    def __init__(self, shard: ExpertShard, transport: Transport, attention_nodes: list[str]) -> None:
+        self.shard, self.transport = shard, transport
+        self.tokens_in = 0
+        self._threads = [threading.Thread(target=self._serve, args=(a,), daemon=True) for a in attention_nodes]
+        for t in self._threads:
+            t.start()
+
+    def _serve(self, src: str) -> None:
+        step = 0
+        while True:
+            control = self._take(src, Tag(step, 0, CONTROL_LAYER, DISPATCH), timeout_s=3600)
+            m = int(control[0])
+            if m < 0:
+                return
+            for layer in range(len(self.shard.layers)):
+                for mb in range(m):
+                    tag = Tag(step, mb, layer, DISPATCH)
+                    message = self._take(src, tag, timeout_s=60)
+                    self.tokens_in += message.shape[0]
+                    out = self.shard.compute(layer, message)
+                    self.transport.send(src, Tag(step, mb, layer, COMBINE), out)
+            step += 1
+
+    def _take(self, src: str, tag: Tag, timeout_s: float) -> torch.Tensor:
+        message = self.transport.recv(src, tag, timeout_s).clone()
+        self.transport.release(src, tag)
+        return message
+
+    def join(self, timeout_s: float = 10.0) -> None:
+        for t in self._threads:
+            t.join(timeout_s)
