@@ -91,3 +91,35 @@ def test_worker_killed_mid_stream_ends_with_error_event(tiny_models):
     events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
     assert r.status_code == 200 and events[-1] == "[DONE]"
     assert '"error"' in events[-2] and "unavailable" in events[-2].lower()
+
+
+def test_failed_engine_step_fails_its_requests_and_the_worker_keeps_serving(tiny_models):
+    from tessera.worker_api import GenerateInput, Unavailable
+    from tessera.config import SamplingParams
+    cfg = EngineConfig(model=tiny_models["llama"], dtype="float32", cache=CacheConfig(block_size=4, num_blocks=64))
+    engine = AsyncEngine(Engine(cfg))
+    real_execute = engine.engine.runner.execute
+    calls = {"n": 0}
+
+    def flaky(plan):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected expert-node failure")
+        return real_execute(plan)
+
+    engine.engine.runner.execute = flaky
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    async def run(rid):
+        tokens = []
+        async for chunk in engine.generate(GenerateInput(rid, sp, token_ids=(3, 4, 5))):
+            tokens.extend(chunk.token_ids)
+        return tokens
+
+    try:
+        with pytest.raises(Unavailable, match="injected"):
+            asyncio.run(asyncio.wait_for(run("first"), 30))
+        assert engine.alive and engine.engine.kv.num_free_blocks == engine.engine.kv.num_blocks
+        assert len(asyncio.run(asyncio.wait_for(run("second"), 30))) == 8
+    finally:
+        engine.shutdown()

@@ -7,6 +7,7 @@ loop.call_soon_threadsafe. Every accepted request ends with a finished output or
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -17,6 +18,8 @@ from tessera.engine import ContextLengthError, Engine, RequestOutput
 from tessera.processor import Processor
 from tessera.worker_api import (ContextLengthExceeded, GenerateChunk, GenerateInput, InvalidRequest,
                                 Saturated, TokenLogprobInfo, TopToken, Unavailable, WorkerInfo)
+
+log = logging.getLogger("tessera.engine")
 
 
 class AsyncEngine:
@@ -111,7 +114,14 @@ class AsyncEngine:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                for out in self.engine.step():
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:  # one bad step fails its requests, not the worker
+                    log.exception("engine step failed")
+                    for rid in self.engine.fail_running():
+                        self._deliver(rid, Unavailable(f"engine step failed: {e}"))
+                    continue
+                for out in outputs:
                     self._deliver(out.request_id, out)
                 self.last_step = time.monotonic()
         except BaseException as e:  # the loop is dead: fail every open stream, never hang them

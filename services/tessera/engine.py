@@ -132,6 +132,14 @@ class Engine:
         self._forget(request_id)
         return request is not None
 
+    def fail_running(self) -> list[str]:
+        """After a step raised: abort every running request (its KV state is suspect) and
+        return their ids; waiting requests stay queued."""
+        ids = [r.request_id for r in list(self.scheduler.running)]
+        for rid in ids:
+            self.abort(rid)
+        return ids
+
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         if plan.empty:
