@@ -142,7 +142,7 @@ def test_disconnect_aborts_and_frees_blocks(url):
             got += line.startswith("data:")
             if got >= 3:
                 break
-        wait_for(lambda: metric(url, "tessera_num_requests_running") == 1, "request is not running")
+    # 1000 tokens take over a minute here: the request can only be gone this soon by the abort
     wait_for(lambda: metric(url, "tessera_num_requests_running") == 0
              and metric(url, "tessera_kv_cache_usage_ratio") == 0, "request was not aborted after the client left")
 
