@@ -37,16 +37,35 @@ def create_app(client: WorkerClient, model_name: str) -> FastAPI:
     return app
 
 
+class RequestIdMiddleware:
+    """Pure ASGI (not BaseHTTPMiddleware, whose wrapped receive channel can hand a streaming
+    response a spurious http.disconnect): reads or makes X-Request-Id, echoes it, and counts
+    /v1/ responses by status."""
+
+    def __init__(self, app, metrics: GatewayMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or []).get(b"x-request-id", b"").decode("latin-1")
+        rid = given or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+        counted = scope.get("path", "").startswith("/v1/")
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message = dict(message, headers=[*message.get("headers", []),
+                                                 (b"x-request-id", rid.encode("latin-1"))])
+                if counted:
+                    self.metrics.count(message["status"])
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def _add_middleware_and_errors(app: FastAPI, metrics: GatewayMetrics) -> None:
-    @app.middleware("http")
-    async def request_id(request: Request, call_next):
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-        request.state.request_id = rid
-        response = await call_next(request)
-        response.headers["X-Request-Id"] = rid
-        if request.url.path.startswith("/v1/"):
-            metrics.count(response.status_code)
-        return response
+    app.add_middleware(RequestIdMiddleware, metrics=metrics)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError):
