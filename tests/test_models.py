@@ -25,8 +25,7 @@ def test_prefill_logits_match_transformers(tiny_models, arch):
     for k, prompt in enumerate(PROMPTS):
         rid = f"r{k}"
         assert kv.allocate(rid, len(prompt))
-        # every position's logits: sample flag on a one-token-per-entry plan is simplest via
-        # a full prefill whose last logits we compare, plus HF's logits at every position
+        # one whole-prompt prefill; its sampled (last-position) logits against HF's
         plan = StepPlan((ScheduledRequest(rid, tuple(prompt), 0, tuple(kv.block_tables[rid]), True),))
         ours = runner.execute(plan)
         with torch.no_grad():
