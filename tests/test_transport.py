@@ -11,6 +11,8 @@ import torch
 
 from tessera.transport.base import COMBINE, DISPATCH, Tag, TransportError, combine, dispatch
 from tessera.transport.local import Fabric
+from tessera.transport import link, nixl
+from tessera.transport.nixl import NixlTransport
 from tessera.transport.tcp import TcpTransport
 
 
@@ -19,15 +21,19 @@ def local_endpoints(names, slots=2):
     return {n: fabric.endpoint(n) for n in names}
 
 
-def tcp_endpoints(names, slots=2):
-    eps = {n: TcpTransport(n, slots=slots) for n in names}
-    for a in eps.values():
-        for n, b in eps.items():
-            a.add_peer(n, b.address)
-    return eps
+def linked(make_one):
+    def build(names, slots=2):
+        eps = {n: make_one(n, slots) for n in names}
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                link(eps[a], eps[b])
+        return eps
+    return build
 
 
-BACKENDS = {"local": local_endpoints, "tcp": tcp_endpoints}
+BACKENDS = {"local": local_endpoints, "tcp": linked(lambda n, s: TcpTransport(n, slots=s))}
+if nixl.available():
+    BACKENDS["nixl"] = linked(lambda n, s: NixlTransport(n, slots=s, capacity_bytes=1 << 20, timeout_s=10))
 
 
 @pytest.fixture(params=sorted(BACKENDS))

@@ -1,3 +1,35 @@
 """M2N transport for attention-FFN disaggregation: tagged tensor messages from M senders to N
 receivers (dispatch) and back (combine). base.py has the interface and the slot mailbox,
-local.py the in-process twin, tcp.py sockets between processes."""
+local.py the in-process twin, tcp.py sockets between processes, nixl.py one-sided writes
+over NIXL/UCX into pre-registered slots."""
+from __future__ import annotations
+
+BACKENDS = ("auto", "nixl", "tcp")
+
+
+def resolve_backend(backend: str) -> str:
+    """'auto' is nixl where the package imports, else tcp."""
+    from tessera.transport import nixl
+    if backend == "auto":
+        return "nixl" if nixl.available() else "tcp"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown transport {backend!r} (choose from {', '.join(BACKENDS)})")
+    return backend
+
+
+def make_transport(backend: str, name: str, slots: int = 2, host: str = "127.0.0.1",
+                   capacity_bytes: int = 8 << 20):
+    """A process-to-process endpoint named `name` (the in-process twin is local.Fabric)."""
+    backend = resolve_backend(backend)
+    if backend == "nixl":
+        from tessera.transport.nixl import NixlTransport
+        return NixlTransport(name, slots=slots, capacity_bytes=capacity_bytes)
+    from tessera.transport.tcp import TcpTransport
+    return TcpTransport(name, host=host, slots=slots)
+
+
+def link(a, b) -> None:
+    """Connect two endpoints both ways by exchanging their metadata (tests and benchmarks do
+    it directly; the nodes of a deployment do it over the gRPC control channel)."""
+    a.connect(b.name, b.metadata_for(a.name))
+    b.connect(a.name, a.metadata_for(b.name))

@@ -9,6 +9,7 @@ silently used. Buffers are allocated once and grown only when a larger message a
 """
 from __future__ import annotations
 
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ import torch
 DISPATCH, COMBINE = 0, 1
 DTYPES = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16, 3: torch.int64, 4: torch.int32}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
+HEADER = struct.Struct("<qiiBBBxQ")   # step, micro_batch, layer, direction, dtype, ndim, nbytes
+MAX_NDIM = 8
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,15 @@ class Transport(Protocol):
     def recv(self, src: str, tag: Tag, timeout_s: float = 30.0) -> torch.Tensor: ...
 
     def release(self, src: str, tag: Tag) -> None: ...
+
+    def take_any(self, src: str, direction: int, micro_batch: int,
+                 timeout_s: float = 30.0) -> tuple[Tag, torch.Tensor]: ...
+
+    def reset(self, src: str) -> None: ...
+
+    def metadata_for(self, peer: str) -> bytes: ...
+
+    def connect(self, peer: str, metadata: bytes) -> None: ...
 
     def close(self) -> None: ...
 
@@ -70,14 +82,20 @@ class _Slot:
 
 
 class Mailbox:
-    """Receive slots of one endpoint, keyed by (sender, direction, micro_batch % slots)."""
+    """Receive slots of one endpoint, keyed by (sender, direction, micro_batch % slots).
 
-    def __init__(self, slots: int = 2) -> None:
+    `poll`, when given, is called while a reader waits: backends whose messages arrive only
+    when someone drives the network (NIXL without a progress thread) deliver them from it;
+    it returns whether it delivered anything."""
+
+    def __init__(self, slots: int = 2, poll=None) -> None:
         if slots < 1:
             raise ValueError("slots must be >= 1")
         self.slots = slots
         self._slots: dict[tuple[str, int, int], _Slot] = {}
+        self._epochs: dict[str, int] = {}
         self._cond = threading.Condition()
+        self._poll = poll
         self.closed = False
 
     def _key(self, src: str, tag: Tag) -> tuple[str, int, int]:
@@ -87,8 +105,7 @@ class Mailbox:
             timeout_s: float = 30.0) -> None:
         """Copy payload (bytes-like or uint8 tensor) into its slot once that slot is free."""
         nbytes = len(payload) if not isinstance(payload, torch.Tensor) else payload.numel()
-        expected = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-        if nbytes != expected:
+        if nbytes != _nbytes(dtype, shape):
             raise TransportError(f"message {tag} from {src}: {nbytes} bytes for shape {shape} {dtype}")
         with self._cond:
             slot = self._slots.setdefault(self._key(src, tag), _Slot())
@@ -102,22 +119,55 @@ class Mailbox:
             slot.tag, slot.dtype, slot.shape = tag, dtype, shape
             self._cond.notify_all()
 
+    def attach(self, src: str, direction: int, index: int, buffer: torch.Tensor) -> None:
+        """Use `buffer` (memory registered with a NIC) as one slot's storage."""
+        with self._cond:
+            self._slots.setdefault((src, direction, index), _Slot()).buffer = buffer
+
+    def mark(self, src: str, tag: Tag, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        """A one-sided write already put the bytes into the slot's buffer: publish them."""
+        with self._cond:
+            slot = self._slots.get(self._key(src, tag))
+            if slot is None or slot.tag is not None:
+                raise TransportError(f"message {tag} from {src} landed in a busy or unknown slot")
+            if _nbytes(dtype, shape) > slot.buffer.numel():
+                raise TransportError(f"message {tag} from {src} overflows its slot")
+            slot.tag, slot.dtype, slot.shape = tag, dtype, shape
+            self._cond.notify_all()
+
     def get(self, src: str, tag: Tag, timeout_s: float) -> torch.Tensor:
         """A view of the message's tensor; valid until release(src, tag)."""
+        return self.take_any(src, tag.direction, tag.micro_batch, timeout_s, expect=tag)[1]
+
+    def take_any(self, src: str, direction: int, micro_batch: int, timeout_s: float,
+                 expect: Tag | None = None) -> tuple[Tag, torch.Tensor]:
+        """Whatever message the slot holds, with its tag (a receiver that resynchronises after
+        an error reads the step number from it). With `expect`, any other tag is an error."""
         deadline = time.monotonic() + timeout_s
+        idle = 0
         with self._cond:
-            slot = self._slots.setdefault(self._key(src, tag), _Slot())
-            while slot.tag is None and not self.closed:
+            slot = self._slots.setdefault((src, direction, micro_batch % self.slots), _Slot())
+            epoch = self._epochs.get(src, 0)
+            while slot.tag is None and not self.closed and self._epochs.get(src, 0) == epoch:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise TransportError(f"no message {tag} from {src} within {timeout_s} s")
-                self._cond.wait(remaining)
+                    what = expect or f"micro-batch {micro_batch} direction {direction}"
+                    raise TransportError(f"no message {what} from {src} within {timeout_s:g} s")
+                if self._poll is None:
+                    self._cond.wait(remaining)
+                    continue
+                self._cond.release()
+                try:
+                    idle = 0 if self._poll() else idle + 1
+                finally:
+                    self._cond.acquire()
+                if slot.tag is None and idle:
+                    self._cond.wait(backoff_s(idle))
             if slot.tag is None:
-                raise TransportError("transport closed")
-            if slot.tag != tag:
-                raise TransportError(f"expected {tag} from {src}, slot holds {slot.tag}")
-            nbytes = int(torch.Size(slot.shape).numel()) * torch.empty((), dtype=slot.dtype).element_size()
-            return slot.buffer[:nbytes].view(slot.dtype).view(slot.shape)
+                raise TransportError("transport closed" if self.closed else f"link from {src} was reset")
+            if expect is not None and slot.tag != expect:
+                raise TransportError(f"expected {expect} from {src}, slot holds {slot.tag}")
+            return slot.tag, slot.buffer[:_nbytes(slot.dtype, slot.shape)].view(slot.dtype).view(slot.shape)
 
     def release(self, src: str, tag: Tag) -> None:
         with self._cond:
@@ -127,10 +177,67 @@ class Mailbox:
             slot.tag = None
             self._cond.notify_all()
 
+    def reset(self, src: str) -> list[tuple[int, int]]:
+        """Drop every message held from `src` and wake its readers with an error; returns the
+        (direction, index) of the slots that were held."""
+        with self._cond:
+            self._epochs[src] = self._epochs.get(src, 0) + 1
+            held = []
+            for (sender, direction, index), slot in self._slots.items():
+                if sender == src and slot.tag is not None:
+                    slot.tag = None
+                    held.append((direction, index))
+            self._cond.notify_all()
+            return held
+
     def close(self) -> None:
         with self._cond:
             self.closed = True
             self._cond.notify_all()
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    return int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+
+
+def backoff_s(idle_polls: int) -> float:
+    """How long a polling reader sleeps between empty polls: not at all at first (the messages
+    of a running step follow each other within milliseconds), then longer, so that an idle
+    endpoint does not burn a core."""
+    if idle_polls < 2000:
+        return 0.0
+    return 0.0002 if idle_polls < 2500 else 0.002
+
+
+def pack_header(tag: Tag, tensor: torch.Tensor) -> bytes:
+    """Fixed header + shape of one message: the only framing any backend puts on a tensor."""
+    if tensor.dtype not in DTYPE_CODES or tensor.dim() > MAX_NDIM:
+        raise TransportError(f"cannot send {tensor.dtype} tensor of {tensor.dim()} dims")
+    nbytes = tensor.numel() * tensor.element_size()
+    return HEADER.pack(tag.step, tag.micro_batch, tag.layer, tag.direction, DTYPE_CODES[tensor.dtype],
+                       tensor.dim(), nbytes) + struct.pack(f"<{tensor.dim()}q", *tensor.shape)
+
+
+def unpack_fixed(data: bytes, src: str) -> tuple[int, ...]:
+    """The fixed part of a header, checked before anything else is read."""
+    if len(data) < HEADER.size:
+        raise TransportError(f"short header from {src}")
+    fields = HEADER.unpack_from(data)
+    _, _, _, direction, code, ndim, _ = fields
+    if code not in DTYPES or ndim > MAX_NDIM or direction > 1:
+        raise TransportError(f"malformed header from {src}: dtype {code}, ndim {ndim}, direction {direction}")
+    return fields
+
+
+def unpack_header(data: bytes, src: str) -> tuple[Tag, torch.dtype, tuple[int, ...], int]:
+    """(tag, dtype, shape, nbytes) of a packed header; malformed headers raise TransportError."""
+    step, mb, layer, direction, code, ndim, nbytes = unpack_fixed(data, src)
+    if len(data) != HEADER.size + 8 * ndim:
+        raise TransportError(f"header from {src} has {len(data)} bytes for {ndim} dims")
+    shape = struct.unpack_from(f"<{ndim}q", data, HEADER.size)
+    if any(d < 0 for d in shape) or _nbytes(DTYPES[code], shape) != nbytes:
+        raise TransportError(f"header from {src}: shape {shape} does not match {nbytes} bytes")
+    return Tag(step, mb, layer, direction), DTYPES[code], shape, nbytes
 
 
 def _as_uint8(payload) -> torch.Tensor:

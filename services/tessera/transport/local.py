@@ -38,5 +38,18 @@ class LocalTransport:
     def release(self, src: str, tag: Tag) -> None:
         self.fabric.mailboxes[self.name].release(src, tag)
 
+    def take_any(self, src: str, direction: int, micro_batch: int, timeout_s: float = 30.0):
+        return self.fabric.mailboxes[self.name].take_any(src, direction, micro_batch, timeout_s)
+
+    def reset(self, src: str) -> None:
+        self.fabric.mailboxes[self.name].reset(src)
+
+    def metadata_for(self, peer: str) -> bytes:
+        return b""   # endpoints of one Fabric find each other by name
+
+    def connect(self, peer: str, metadata: bytes) -> None:
+        if peer not in self.fabric.mailboxes:
+            raise TransportError(f"unknown endpoint {peer}")
+
     def close(self) -> None:
         self.fabric.mailboxes[self.name].close()

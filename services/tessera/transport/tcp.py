@@ -11,12 +11,11 @@ import threading
 
 import torch
 
-from tessera.transport.base import DTYPE_CODES, DTYPES, Mailbox, Tag, TransportError, tensor_bytes
+from tessera.transport.base import (HEADER, Mailbox, Tag, TransportError, pack_header, tensor_bytes,
+                                    unpack_fixed, unpack_header)
 
 log = logging.getLogger("tessera.transport.tcp")
-_HEADER = struct.Struct("<qiiBBBxQ")   # step, micro_batch, layer, direction, dtype, ndim, nbytes
 _HELLO = struct.Struct("<H")           # length of the sender's name, then the name
-_MAX_NDIM = 8
 
 
 class TcpTransport:
@@ -35,17 +34,22 @@ class TcpTransport:
     def add_peer(self, name: str, address: tuple[str, int]) -> None:
         self.peers[name] = address
 
+    def metadata_for(self, peer: str) -> bytes:
+        """What a peer needs to reach this endpoint: its listening address."""
+        return f"{self.address[0]}:{self.address[1]}".encode()
+
+    def connect(self, peer: str, metadata: bytes) -> None:
+        host, port = metadata.decode().rsplit(":", 1)
+        self._drop(peer)
+        self.peers[peer] = (host, int(port))
+
     def send(self, dst: str, tag: Tag, tensor: torch.Tensor) -> None:
-        if tensor.dtype not in DTYPE_CODES or tensor.dim() > _MAX_NDIM:
-            raise TransportError(f"cannot send {tensor.dtype} tensor of {tensor.dim()} dims")
+        header = pack_header(tag, tensor)
         payload = tensor_bytes(tensor).numpy()
-        header = _HEADER.pack(tag.step, tag.micro_batch, tag.layer, tag.direction,
-                              DTYPE_CODES[tensor.dtype], tensor.dim(), payload.nbytes)
-        shape = struct.pack(f"<{tensor.dim()}q", *tensor.shape)
         sock, lock = self._connection(dst)
         with lock:
             try:
-                sock.sendall(header + shape)
+                sock.sendall(header)
                 sock.sendall(memoryview(payload))
             except OSError as e:
                 self._drop(dst)
@@ -56,6 +60,12 @@ class TcpTransport:
 
     def release(self, src: str, tag: Tag) -> None:
         self.mailbox.release(src, tag)
+
+    def take_any(self, src: str, direction: int, micro_batch: int, timeout_s: float = 30.0):
+        return self.mailbox.take_any(src, direction, micro_batch, timeout_s)
+
+    def reset(self, src: str) -> None:
+        self.mailbox.reset(src)
 
     def close(self) -> None:
         self.mailbox.close()
@@ -111,12 +121,10 @@ class TcpTransport:
                 log.warning("rejected a message: %s", e)
 
     def _read_frame(self, sock: socket.socket, src: str) -> None:
-        step, mb, layer, direction, code, ndim, nbytes = _HEADER.unpack(_read_exact(sock, _HEADER.size))
-        if code not in DTYPES or ndim > _MAX_NDIM or direction > 1:
-            raise TransportError(f"malformed header from {src}: dtype {code}, ndim {ndim}")
-        shape = struct.unpack(f"<{ndim}q", _read_exact(sock, 8 * ndim))
-        payload = _read_exact(sock, nbytes)
-        self.mailbox.put(src, Tag(step, mb, layer, direction), DTYPES[code], shape, payload)
+        fixed = _read_exact(sock, HEADER.size)
+        ndim = unpack_fixed(fixed, src)[5]
+        tag, dtype, shape, nbytes = unpack_header(bytes(fixed + _read_exact(sock, 8 * ndim)), src)
+        self.mailbox.put(src, tag, dtype, shape, _read_exact(sock, nbytes))
 
 
 def _read_exact(sock: socket.socket, n: int) -> bytearray:
