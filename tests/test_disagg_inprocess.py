@@ -4,15 +4,18 @@ N in {1, 2} expert nodes and m in {1, 2, 3} micro-batches; every token is dispat
 layer to each node that owns one of its experts."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from tessera.config import CacheConfig, EngineConfig, SamplingParams
 from tessera.disagg.attention_runner import AttentionRunner
-from tessera.disagg.expert_shard import ExpertShard, ExpertWorker
+from tessera.disagg.expert_shard import CONTROL_LAYER, ExpertShard, ExpertWorker
 from tessera.engine import Engine
 from tessera.models.loader import load_model
 from tessera.tokenizer import load_tokenizer
+from tessera.transport.base import COMBINE, DISPATCH, Tag
 from tessera.transport.local import Fabric
 
 PROMPTS = [[1, 450, 3000, 17, 99, 4093], [2000, 5, 6, 7], [42, 42, 42, 31000, 12, 9, 77, 1000, 20000], [7, 8]]
@@ -90,3 +93,34 @@ def test_afd_smollm2_dense_split_over_two_expert_nodes(smollm2_engine):
         engine.runner.stop_experts()
         for w in workers:
             w.join()
+
+
+@pytest.mark.parametrize("bad", ["wrong_shape", "unknown_layer", "stale_step_message"])
+def test_expert_rejects_bad_messages_and_keeps_serving(tiny_models, tokenizer, bad):
+    path = tiny_models["mixtral"]
+    engine, workers = afd_engine(path, tokenizer, nodes=1, micro_batches=2)
+    runner, transport = engine.runner, engine.runner.transport
+    expected = engine.generate(PROMPTS[:2], GREEDY)
+    step = runner.step
+    if bad == "stale_step_message":   # data with no control message before it
+        transport.send("expert-0", Tag(step - 1, 0, 0, DISPATCH), torch.zeros(3, 64 + 4))
+    else:
+        transport.send("expert-0", Tag(step, 0, CONTROL_LAYER, DISPATCH), torch.tensor([1.0]))
+        layer, width = (0, 17) if bad == "wrong_shape" else (7, 64 + 4)
+        transport.send("expert-0", Tag(step, 0, layer, DISPATCH), torch.zeros(3, width))
+        reply = transport.recv("expert-0", Tag(step, 0, 0, COMBINE), timeout_s=10)
+        assert reply.dtype == torch.int32   # an error reply under the expected tag
+        transport.release("expert-0", Tag(step, 0, 0, COMBINE))
+    try:
+        wait_until(lambda: workers[0].rejected == 1)
+        assert engine.generate(PROMPTS[:2], GREEDY) == expected   # still serving
+    finally:
+        runner.stop_experts()
+        workers[0].join()
+
+
+def wait_until(predicate, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)

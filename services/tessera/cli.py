@@ -1,4 +1,5 @@
-"""`tessera` command line: serve | worker | gateway | model init-random | bench engine | bench serve."""
+"""`tessera` command line: serve | up | worker | attention-node | expert-node | gateway |
+model init-random | bench engine | bench serve | bench m2n | bench afd | profile | plan afd."""
 from __future__ import annotations
 
 import argparse
@@ -41,16 +42,43 @@ def cmd_worker(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_attention_node(a: argparse.Namespace) -> int:
+    from tessera.config import AfdConfig
+    from tessera.disagg.attention_node import build_attention_engine
+    from tessera.entrypoints.worker import serve
+    from tessera.rpc.expert_client import GrpcExpertControl
+    config = engine_config(a)
+    afd = AfdConfig(name=a.name, expert_nodes=tuple(a.expert), transport=a.transport,
+                    micro_batches=a.micro_batches, timeout_s=a.ffn_timeout_s)
+    controls = [GrpcExpertControl(address) for address in afd.expert_nodes]
+    asyncio.run(serve(config, a.host, a.port, build=lambda: build_attention_engine(config, afd, controls),
+                      role="attention"))
+    return 0
+
+
+def cmd_expert_node(a: argparse.Namespace) -> int:
+    from tessera.entrypoints.expert_node import load_expert_node, serve
+    if a.threads:
+        import torch
+        torch.set_num_threads(a.threads)
+    node = load_expert_node(a.model, a.dtype, a.name, a.shard_index, a.shard_count, a.transport)
+    serve(node, a.host, a.port)
+    return 0
+
+
 def cmd_gateway(a: argparse.Namespace) -> int:
     import uvicorn
 
     from tessera.entrypoints.gateway.app import create_app
     from tessera.rpc.client import GrpcWorkerClient
+    from tessera.worker_pool import WorkerPool
 
-    client = GrpcWorkerClient(a.worker)
-    info = asyncio.run(_wait_for_worker(a.worker, a.wait_s))
-    app = create_app(client, a.served_model_name or info.model_id)
-    print(f"tessera gateway on http://{a.host}:{a.port} -> worker {a.worker} ({info.model_id})", flush=True)
+    workers = a.worker or [os.environ.get("TESSERA_WORKER", "127.0.0.1:50051")]
+    infos = [asyncio.run(_wait_for_worker(w, a.wait_s)) for w in workers]
+    client = GrpcWorkerClient(workers[0]) if len(workers) == 1 else \
+        WorkerPool([GrpcWorkerClient(w) for w in workers])
+    app = create_app(client, a.served_model_name or infos[0].model_id)
+    print(f"tessera gateway on http://{a.host}:{a.port} -> {', '.join(workers)} ({infos[0].model_id})", flush=True)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning", timeout_graceful_shutdown=5)
     return 0
 
@@ -80,26 +108,17 @@ def cmd_serve(a: argparse.Namespace) -> int:
         value = getattr(a, flag)
         if value is not None:
             argv += [f"--{flag.replace('_', '-')}", str(value)]
+    from tessera.deploy.up import supervise, tessera_argv
     worker = subprocess.Popen(argv)
-    gateway = subprocess.Popen([sys.executable, "-m", "tessera.cli", "gateway", "--worker", worker_addr,
-                                "--host", a.host, "--port", str(a.port)])
-    procs = [worker, gateway]
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
-    try:
-        while all(p.poll() is None for p in procs):
-            time.sleep(0.5)
-        return next(p.returncode for p in procs if p.poll() is not None) or 1
-    except KeyboardInterrupt:
-        return 0
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+    gateway = subprocess.Popen(tessera_argv(["gateway", "--worker", worker_addr, "--host", a.host,
+                                             "--port", str(a.port)]))
+    return supervise([worker, gateway])
+
+
+def cmd_up(a: argparse.Namespace) -> int:
+    from tessera.deploy.topology import Topology
+    from tessera.deploy.up import up
+    return up(Topology.load(a.file).with_overrides(port=a.port, dtype=a.dtype))
 
 
 def cmd_init_random(a: argparse.Namespace) -> int:
@@ -127,13 +146,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--worker-port", type=int, default=int(os.environ.get("TESSERA_WORKER_PORT", 50051)))
     p.set_defaults(fn=cmd_serve)
+    p = sub.add_parser("up", help="run a topology file's processes here (Ctrl-C stops them all)")
+    p.add_argument("file")
+    p.add_argument("--port", type=int, default=None, help="gateway port (overrides the file)")
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"])
+    p.set_defaults(fn=cmd_up)
     p = sub.add_parser("worker", help="the gRPC worker process")
     _engine_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.set_defaults(fn=cmd_worker)
+    p = sub.add_parser("attention-node", help="AFD: attention, KV cache, router and sampler (a worker)")
+    _engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50061)
+    p.add_argument("--name", default="attention-0", help="endpoint name on the M2N transport")
+    p.add_argument("--expert", action="append", required=True, help="expert node gRPC address, in shard order")
+    p.add_argument("--transport", default="auto", choices=["auto", "nixl", "tcp"])
+    p.add_argument("--micro-batches", type=int, default=2, help="ping-pong depth m (1: off)")
+    p.add_argument("--ffn-timeout-s", type=float, default=10.0)
+    p.set_defaults(fn=cmd_attention_node)
+    p = sub.add_parser("expert-node", help="AFD: a share of every layer's FFN / experts")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50071)
+    p.add_argument("--name", default="expert-0", help="endpoint name on the M2N transport")
+    p.add_argument("--shard-index", type=int, default=0)
+    p.add_argument("--shard-count", type=int, default=1)
+    p.add_argument("--transport", default="auto", choices=["auto", "nixl", "tcp"])
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(fn=cmd_expert_node)
     p = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
-    p.add_argument("--worker", default=os.environ.get("TESSERA_WORKER", "127.0.0.1:50051"))
+    p.add_argument("--worker", action="append", default=None,
+                   help="worker gRPC address (repeat for several; default $TESSERA_WORKER or 127.0.0.1:50051)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None)

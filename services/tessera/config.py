@@ -103,3 +103,23 @@ class EngineConfig:
             raise ConfigError("dtype must be auto, float32 or bfloat16")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError("max_model_len must be > 0")
+
+
+@dataclass(frozen=True)
+class AfdConfig:
+    """An attention node of an attention-FFN disaggregated deployment."""
+
+    name: str = "attention-0"                 # its endpoint name on the M2N transport
+    expert_nodes: tuple[str, ...] = ()        # gRPC addresses of the expert nodes, in shard order
+    transport: str = "auto"                   # nixl where it imports, else tcp
+    micro_batches: int = 2                    # ping-pong depth m; 1 turns the pipeline off
+    timeout_s: float = 10.0                   # an expert reply later than this fails the step
+    connect_wait_s: float = 300.0             # how long to wait for expert nodes at start-up
+
+    def __post_init__(self) -> None:
+        if not self.expert_nodes:
+            raise ConfigError("an attention node needs at least one expert node")
+        if self.micro_batches < 1:
+            raise ConfigError("micro_batches must be >= 1")
+        if self.timeout_s <= 0:
+            raise ConfigError("timeout_s must be > 0")

@@ -5,10 +5,16 @@ head, and sends each layer's FFN work to the expert nodes over the M2N transport
 Ping-pong (MegaScale-Infer §3.3): the step's requests are split into m micro-batches; at each
 layer all m attention halves run and are dispatched before the first reply is awaited, so
 expert nodes compute micro-batch i while this node runs attention for micro-batch i + 1.
+
+A step that fails (an expert node rejected a message, died, or did not answer within
+timeout_s) raises; the engine fails that step's requests, and the next step first
+resynchronises every link: `reconnect(node)` (the control plane: a gRPC Connect, or the
+in-process twin) resets the expert's side, and our own slots from that node are dropped.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -17,7 +23,7 @@ from tessera.disagg.expert_shard import CONTROL_LAYER, split_range
 from tessera.model_runner import ModelRunner
 from tessera.models.llama import CausalLM
 from tessera.scheduler import StepPlan
-from tessera.transport.base import COMBINE, DISPATCH, Tag, Transport
+from tessera.transport.base import COMBINE, DISPATCH, Tag, Transport, TransportError
 
 
 @dataclass
@@ -29,7 +35,8 @@ class _InFlight:
 
 class AttentionRunner(ModelRunner):
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, transport: Transport,
-                 expert_nodes: list[str], micro_batches: int = 1, timeout_s: float = 30.0) -> None:
+                 expert_nodes: list[str], micro_batches: int = 1, timeout_s: float = 30.0,
+                 reconnect: Callable[[str], None] | None = None) -> None:
         super().__init__(model, num_blocks, block_size)
         if micro_batches < 1:
             raise ValueError("micro_batches must be >= 1")
@@ -39,9 +46,27 @@ class AttentionRunner(ModelRunner):
         self.ranges = [split_range(cfg.num_experts, len(expert_nodes), i) for i in range(len(expert_nodes))]
         self.step = 0
         self.tokens_out = 0
+        self.reconnect = reconnect
+        self.failed_steps = 0
+        self._resync = False
+
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        if self._resync:
+            for node in self.expert_nodes:
+                if self.reconnect is not None:
+                    self.reconnect(node)
+                self.transport.reset(node)
+            self._resync = False
+        try:
+            return self._execute(plan)
+        except Exception:
+            self.failed_steps += 1
+            self._resync = True
+            self.step += 1
+            raise
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> torch.Tensor:
+    def _execute(self, plan: StepPlan) -> torch.Tensor:
         entries = list(plan.scheduled)
         m = min(self.micro_batches, len(entries))
         groups = [entries[slice(*split_range(len(entries), m, i))] for i in range(m)]
@@ -81,6 +106,9 @@ class AttentionRunner(ModelRunner):
         out = torch.zeros_like(f.h)
         for node, rows in zip(self.expert_nodes, f.selected):
             reply = self.transport.recv(node, tag, self.timeout_s)
+            if reply.dtype == torch.int32:   # the expert node rejected what we sent
+                self.transport.release(node, tag)
+                raise TransportError(f"expert node {node} rejected {tag}")
             if rows is None:
                 out += reply
             else:

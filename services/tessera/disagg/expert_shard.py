@@ -10,6 +10,7 @@ gate weights; dense layers send [n, H] only. The reply is the partial FFN output
 """
 from __future__ import annotations
 
+import logging
 import threading
 
 import torch
@@ -20,6 +21,7 @@ from tessera.layers.moe import Experts
 from tessera.models.llama import CausalLM
 from tessera.transport.base import COMBINE, DISPATCH, Tag, Transport, TransportError
 
+log = logging.getLogger("tessera.disagg.expert")
 CONTROL_LAYER = -1   # per step, each attention node first sends [m] (micro-batches); m < 0 stops
 
 
@@ -67,6 +69,8 @@ class ExpertShard:
 
     @torch.inference_mode()
     def compute(self, layer: int, message: torch.Tensor) -> torch.Tensor:
+        if not 0 <= layer < len(self.layers):
+            raise TransportError(f"no layer {layer}")
         module = self.layers[layer]
         if message.dim() != 2 or message.shape[1] not in (self.hidden, self.hidden + 2 * self.top_k):
             raise TransportError(f"layer {layer}: message of shape {tuple(message.shape)}")
@@ -79,36 +83,81 @@ class ExpertShard:
 
 
 class ExpertWorker:
-    """Serves one shard to attention nodes: a thread per attention node, in step order."""
+    """Serves one shard to attention nodes: a thread per attention node, in step order.
 
-    def __init__(self, shard: ExpertShard, transport: Transport, attention_nodes: list[str]) -> None:
-        self.shard, self.transport = shard, transport
+    Each step starts with a control message (layer CONTROL_LAYER) whose tag carries the step
+    number and whose value is m; the thread then answers m micro-batches per layer. A
+    malformed or stale message is rejected: the slots held from that sender are dropped, an
+    error reply (an int32 tensor) goes back under the tag that was expected, and the thread
+    waits for the next control message. add_source() on a known sender resets its link
+    (an attention node that reconnects after an error starts clean)."""
+
+    def __init__(self, shard: ExpertShard, transport: Transport, attention_nodes=(),
+                 timeout_s: float = 60.0) -> None:
+        self.shard, self.transport, self.timeout_s = shard, transport, timeout_s
         self.tokens_in = 0
-        self._threads = [threading.Thread(target=self._serve, args=(a,), daemon=True) for a in attention_nodes]
-        for t in self._threads:
-            t.start()
+        self.rejected = 0
+        self._threads: dict[str, threading.Thread] = {}
+        self._generation: dict[str, int] = {}
+        self._stopped = False
+        for src in attention_nodes:
+            self.add_source(src)
+
+    def add_source(self, src: str) -> None:
+        self._generation[src] = self._generation.get(src, 0) + 1
+        thread = self._threads.get(src)
+        if thread is not None and thread.is_alive():
+            self.transport.reset(src)
+            return
+        thread = threading.Thread(target=self._serve, args=(src,), name=f"expert-{src}", daemon=True)
+        self._threads[src] = thread
+        thread.start()
 
     def _serve(self, src: str) -> None:
-        step = 0
-        while True:
-            control = self._take(src, Tag(step, 0, CONTROL_LAYER, DISPATCH), timeout_s=3600)
-            m = int(control[0])
-            if m < 0:
-                return
-            for layer in range(len(self.shard.layers)):
-                for mb in range(m):
-                    tag = Tag(step, mb, layer, DISPATCH)
-                    message = self._take(src, tag, timeout_s=60)
-                    self.tokens_in += message.shape[0]
-                    out = self.shard.compute(layer, message)
-                    self.transport.send(src, Tag(step, mb, layer, COMBINE), out)
-            step += 1
+        while not self._stopped:
+            generation = self._generation[src]
+            try:
+                tag, control = self.transport.take_any(src, DISPATCH, 0, timeout_s=3600)
+            except TransportError:
+                continue   # idle, or the link was reset: wait for the next step
+            try:
+                m = int(control[0]) if control.numel() == 1 else 0   # read before the slot is freed
+                self.transport.release(src, tag)
+                if tag.layer != CONTROL_LAYER or control.numel() != 1:
+                    raise TransportError(f"{tag} from {src} is not a step's control message")
+                if m < 0:
+                    return
+                self._serve_step(src, tag.step, m, generation)
+            except TransportError as e:
+                self.rejected += 1
+                log.warning("rejected a message from %s: %s", src, e)
+                self.transport.reset(src)
 
-    def _take(self, src: str, tag: Tag, timeout_s: float) -> torch.Tensor:
-        message = self.transport.recv(src, tag, timeout_s).clone()
-        self.transport.release(src, tag)
-        return message
+    def _serve_step(self, src: str, step: int, m: int, generation: int) -> None:
+        for layer in range(len(self.shard.layers)):
+            for mb in range(m):
+                tag = Tag(step, mb, layer, DISPATCH)
+                try:
+                    message = self.transport.recv(src, tag, self.timeout_s).clone()
+                    self.transport.release(src, tag)
+                    out = self.shard.compute(layer, message)
+                except (TransportError, RuntimeError, ValueError) as e:
+                    self._reply_error(src, Tag(step, mb, layer, COMBINE))
+                    raise TransportError(str(e)) from e
+                if self._generation[src] != generation:
+                    return   # the attention node reconnected: this step is gone
+                self.tokens_in += message.shape[0]
+                self.transport.send(src, Tag(step, mb, layer, COMBINE), out)
+
+    def _reply_error(self, src: str, tag: Tag) -> None:
+        try:
+            self.transport.send(src, tag, torch.tensor([1], dtype=torch.int32))
+        except TransportError:
+            pass   # the sender is gone; it resynchronises when it reconnects
+
+    def stop(self) -> None:
+        self._stopped = True
 
     def join(self, timeout_s: float = 10.0) -> None:
-        for t in self._threads:
+        for t in self._threads.values():
             t.join(timeout_s)

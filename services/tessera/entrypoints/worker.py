@@ -1,4 +1,5 @@
-"""The worker process: load the engine, serve tessera.rpc.v1.Worker and grpc.health.v1."""
+"""The worker process: load the engine, serve tessera.rpc.v1.Worker and grpc.health.v1.
+An attention node is this same process with an AFD engine (cli.py: attention-node)."""
 from __future__ import annotations
 
 import asyncio
@@ -50,8 +51,9 @@ async def _watch_health(engine: AsyncEngine, health_servicer: health.HealthServi
         await asyncio.sleep(1.0)
 
 
-async def serve(config: EngineConfig, host: str, port: int) -> None:
-    engine = AsyncEngine(Engine(config))
+async def serve(config: EngineConfig, host: str, port: int, build=None, role: str = "worker") -> None:
+    """build() makes the engine (default: a monolithic one); an attention node passes its own."""
+    engine = AsyncEngine(build() if build is not None else Engine(config), role=role)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine), server)
     health_servicer = health.HealthServicer()

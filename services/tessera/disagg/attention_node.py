@@ -1,0 +1,68 @@
+"""Build an attention node's engine: the model without its FFN weights, a transport endpoint
+linked to every expert node over the control plane, and an AttentionRunner."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+from tessera.config import AfdConfig, EngineConfig
+from tessera.disagg.attention_runner import AttentionRunner
+from tessera.disagg.control import ConnectRequest, ExpertControl, LinkRefused
+from tessera.engine import Engine, resolve_dtype
+from tessera.models.llama import CausalLM
+from tessera.models.loader import load_model, model_id_for
+from tessera.transport import make_transport, resolve_backend
+from tessera.worker_api import Unavailable
+
+log = logging.getLogger("tessera.disagg.attention")
+
+
+def drop_ffn_weights(model: CausalLM) -> None:
+    """The attention side keeps each FFN's norm, router and shared expert; the expert nodes
+    hold the rest. (The checkpoint is read whole and the rest freed: simple, costs load time.)"""
+    for layer in model.layers:
+        for name in ("mlp", "experts"):
+            if hasattr(layer.ffn, name):
+                setattr(layer.ffn, name, None)
+
+
+def build_attention_engine(config: EngineConfig, afd: AfdConfig, controls: list[ExpertControl],
+                           transport=None) -> Engine:
+    model, _ = load_model(config.model, resolve_dtype(config.dtype))
+    drop_ffn_weights(model)
+    backend = resolve_backend(afd.transport) if transport is None else "local"
+    if transport is None:
+        transport = make_transport(backend, afd.name, slots=max(2, afd.micro_batches))
+    request = ConnectRequest(afd.name, backend, b"", model_id_for(config.model), model.config.num_layers)
+    names = [_link(c, request, transport, i, len(controls), afd.connect_wait_s) for i, c in enumerate(controls)]
+    by_name = dict(zip(names, controls))
+
+    def reconnect(node: str) -> None:
+        _link(by_name[node], request, transport, names.index(node), len(names), wait_s=0)
+
+    def make_runner(m, num_blocks, block_size):
+        return AttentionRunner(m, num_blocks, block_size, transport, names, afd.micro_batches,
+                               afd.timeout_s, reconnect)
+    return Engine(config, model, make_runner=make_runner)
+
+
+def _link(control: ExpertControl, request: ConnectRequest, transport, index: int, count: int,
+          wait_s: float) -> str:
+    """Connect to one expert node (waiting while it starts) and link the transports."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            info = control.info()
+            break
+        except Unavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    reply = control.connect(replace(request, transport_metadata=transport.metadata_for(info.expert_node)))
+    if (reply.shard_index, reply.shard_count) != (index, count):
+        raise LinkRefused(f"expert node {reply.expert_node} holds shard {reply.shard_index}/"
+                          f"{reply.shard_count}, expected {index}/{count}")
+    transport.connect(reply.expert_node, reply.transport_metadata)
+    log.info("linked to expert node %s (shard %d/%d)", reply.expert_node, index, count)
+    return reply.expert_node

@@ -1,0 +1,66 @@
+"""The expert node process: load this node's FFN shard, open its transport endpoint, serve
+tessera.rpc.v1.ExpertNode (control only) and grpc.health.v1."""
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from tessera.disagg.control import LinkRefused
+from tessera.disagg.expert_node import ExpertNode
+from tessera.disagg.expert_shard import ExpertShard
+from tessera.engine import resolve_dtype
+from tessera.models.loader import load_model, model_id_for
+from tessera.rpc import convert
+from tessera.rpc.v1 import expert_pb2_grpc
+from tessera.transport import make_transport, resolve_backend
+from tessera.transport.base import TransportError
+
+log = logging.getLogger("tessera.expert_node")
+SERVICE = "tessera.rpc.v1.ExpertNode"
+
+
+class ExpertNodeServicer(expert_pb2_grpc.ExpertNodeServicer):
+    def __init__(self, node: ExpertNode) -> None:
+        self.node = node
+
+    def Connect(self, request, context):
+        try:
+            return convert.connect_reply_to_proto(self.node.connect(convert.connect_request_from_proto(request)))
+        except LinkRefused as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except (TransportError, ValueError, KeyError) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot link: {e}")
+
+    def ExpertInfo(self, request, context):
+        return convert.expert_info_to_proto(self.node.info())
+
+
+def load_expert_node(model: str, dtype: str, name: str, index: int, count: int, transport: str,
+                     timeout_s: float = 60.0) -> ExpertNode:
+    """Only this node's share of the FFN weights stays in memory."""
+    full, _ = load_model(model, resolve_dtype(dtype))
+    shard = ExpertShard.from_model(full, index, count)
+    del full
+    backend = resolve_backend(transport)
+    return ExpertNode(name, shard, make_transport(backend, name, slots=4), backend, model_id_for(model),
+                      index, count, timeout_s)
+
+
+def serve(node: ExpertNode, host: str, port: int) -> None:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    expert_pb2_grpc.add_ExpertNodeServicer_to_server(ExpertNodeServicer(node), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    server.start()
+    log.info("expert node %s (shard %d/%d) on %s:%d", node.name, node.shard_index, node.shard_count, host, bound)
+    print(f"tessera expert node {node.name} ready on {host}:{bound}", flush=True)
+    try:
+        server.wait_for_termination()
+    finally:
+        node.close()
