@@ -57,11 +57,12 @@ def tessera_serve(*args: str, timeout_s: float = 180.0):
 
 
 @contextlib.contextmanager
-def tessera_worker(*args: str, timeout_s: float = 180.0):
-    """`tessera worker ARGS` on a free port; yields (address, process) once grpc.health.v1 says SERVING."""
+def tessera_grpc(command: str, *args: str, port: int | None = None, timeout_s: float = 180.0):
+    """`tessera COMMAND --port P ARGS` (a worker, attention node or expert node); yields
+    (address, process) once grpc.health.v1 says SERVING."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
-    address = f"127.0.0.1:{free_port()}"
+    address = f"127.0.0.1:{port or free_port()}"
     channel = grpc.insecure_channel(address)
     stub = health_pb2_grpc.HealthStub(channel)
 
@@ -73,7 +74,28 @@ def tessera_worker(*args: str, timeout_s: float = 180.0):
             return False
 
     try:
-        with _process(["worker", "--port", address.rsplit(":", 1)[1], *args], serving, timeout_s) as proc:
+        with _process([command, "--port", address.rsplit(":", 1)[1], *args], serving, timeout_s) as proc:
             yield address, proc
     finally:
         channel.close()
+
+
+def tessera_worker(*args: str, timeout_s: float = 180.0):
+    """`tessera worker ARGS` on a free port; yields (address, process) once SERVING."""
+    return tessera_grpc("worker", *args, timeout_s=timeout_s)
+
+
+@contextlib.contextmanager
+def tessera_up(topology: str, timeout_s: float = 240.0):
+    """`tessera up TOPOLOGY`; yields the gateway's base URL once /health passes."""
+    import yaml
+    url = f"http://127.0.0.1:{yaml.safe_load(open(topology))['roles']['gateway']['port']}"
+
+    def healthy() -> bool:
+        try:
+            return httpx.get(url + "/health", timeout=30).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    with _process(["up", topology], healthy, timeout_s):
+        yield url

@@ -18,12 +18,12 @@ def resolve_backend(backend: str) -> str:
 
 
 def make_transport(backend: str, name: str, slots: int = 2, host: str = "127.0.0.1",
-                   capacity_bytes: int = 8 << 20):
+                   capacity_bytes: int = 8 << 20, timeout_s: float = 30.0):
     """A process-to-process endpoint named `name` (the in-process twin is local.Fabric)."""
     backend = resolve_backend(backend)
     if backend == "nixl":
         from tessera.transport.nixl import NixlTransport
-        return NixlTransport(name, slots=slots, capacity_bytes=capacity_bytes)
+        return NixlTransport(name, slots=slots, capacity_bytes=capacity_bytes, timeout_s=timeout_s)
     from tessera.transport.tcp import TcpTransport
     return TcpTransport(name, host=host, slots=slots)
 

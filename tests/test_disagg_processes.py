@@ -1,0 +1,211 @@
+"""Attention-FFN disaggregation as real processes: expert nodes and attention nodes linked over
+gRPC (control) and the M2N transport (tcp, and nixl where it imports). Greedy tokens equal to
+the monolithic engine on the same float32 weights; an expert node that dies fails the
+affected requests within a bounded time and the attention node serves again once it is back;
+an expert node rejects malformed messages and keeps serving; `tessera up` runs a topology
+file behind the gateway and answers like the monolithic engine."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+import uuid
+
+import httpx
+import pytest
+import torch
+import yaml
+
+from servers import free_port, tessera_grpc, tessera_up
+from tessera.async_engine import AsyncEngine
+from tessera.config import EngineConfig, SamplingParams
+from tessera.disagg.control import ConnectRequest
+from tessera.disagg.expert_shard import CONTROL_LAYER
+from tessera.engine import Engine
+from tessera.entrypoints.gateway.app import create_app
+from tessera.local_client import LocalWorkerClient
+from tessera.models.loader import model_id_for, resolve_model_path
+from tessera.rpc.client import GrpcWorkerClient
+from tessera.rpc.expert_client import GrpcExpertControl
+from tessera.transport import make_transport, nixl, resolve_backend
+from tessera.transport.base import COMBINE, DISPATCH, Tag
+from tessera.worker_api import GenerateInput, WorkerError
+
+pytestmark = pytest.mark.e2e
+TRANSPORTS = ["tcp"] + (["nixl"] if nixl.available() else [])
+PROMPTS = [[1, 450, 3000, 17, 99, 4093], [2000, 5, 6, 7], [42, 42, 42, 31000, 12, 9, 77, 1000, 20000]]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+MOE = "random:mixtral"   # 8 experts, top-2, created once in the cache
+
+
+def expert_node(model: str, transport: str, index: int, count: int, port: int | None = None):
+    return tessera_grpc("expert-node", "--model", model, "--dtype", "float32", "--threads", "1",
+                        "--name", f"expert-{index}", "--shard-index", str(index), "--shard-count", str(count),
+                        "--transport", transport, port=port)
+
+
+def attention_node(model: str, transport: str, index: int, m: int, experts: list[str], timeout_s: float = 10):
+    flags = [a for address in experts for a in ("--expert", address)]
+    return tessera_grpc("attention-node", "--model", model, "--dtype", "float32", "--threads", "1",
+                        "--num-kv-blocks", "256", "--name", f"attention-{index}", "--transport", transport,
+                        "--micro-batches", str(m), "--ffn-timeout-s", str(timeout_s), *flags)
+
+
+@contextlib.contextmanager
+def afd(model: str, transport: str, experts: int, micro_batches: tuple[int, ...]):
+    """N expert nodes and one attention node per entry of micro_batches (its m)."""
+    with contextlib.ExitStack() as stack:
+        nodes = [stack.enter_context(expert_node(model, transport, i, experts))[0] for i in range(experts)]
+        yield [stack.enter_context(attention_node(model, transport, j, m, nodes))[0]
+               for j, m in enumerate(micro_batches)]
+
+
+async def generate(address: str, prompts=PROMPTS, sampling: SamplingParams = GREEDY) -> list[list[int]]:
+    client = GrpcWorkerClient(address, timeout_s=120)
+
+    async def one(prompt):
+        ids = []
+        async for chunk in client.generate(GenerateInput(uuid.uuid4().hex, sampling, token_ids=tuple(prompt))):
+            ids.extend(chunk.token_ids)
+        return ids
+    try:
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+    finally:
+        await client.close()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Greedy tokens of the monolithic engine, per model."""
+    cache = {}
+
+    def tokens(model: str):
+        if model not in cache:
+            resolve_model_path(model)
+            cache[model] = Engine(EngineConfig(model=model, dtype="float32")).generate(PROMPTS, GREEDY)
+        return cache[model]
+    return tokens
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("model,experts", [(MOE, 1), (MOE, 2), ("smollm2", 2)])
+def test_afd_processes_equal_monolithic(reference, transport, model, experts):
+    expected = reference(model)
+    with afd(model, transport, experts, micro_batches=(1, 3)) as attention:
+        async def both():   # M = 2 attention nodes, at the same time, through the same experts
+            return await asyncio.gather(*(generate(a) for a in attention))
+        for got in asyncio.run(both()):
+            assert got == expected
+
+
+def test_expert_death_fails_requests_in_bounded_time_then_recovers(reference):
+    transport = resolve_backend("auto")
+    expected = reference(MOE)
+    port = free_port()
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    with contextlib.ExitStack() as stack:
+        _, proc = stack.enter_context(expert_node(MOE, transport, 0, 1, port=port))
+        address = f"127.0.0.1:{port}"
+        attention = stack.enter_context(attention_node(MOE, transport, 0, 2, [address], timeout_s=3))[0]
+        assert asyncio.run(generate(attention)) == expected
+
+        async def killed_mid_request():
+            client = GrpcWorkerClient(attention, timeout_s=60)
+            t0 = None
+            try:
+                async for _ in client.generate(GenerateInput("long", long, token_ids=(1, 2, 3))):
+                    if t0 is None:
+                        proc.send_signal(signal.SIGKILL)
+                        t0 = time.monotonic()
+            except WorkerError as e:
+                return time.monotonic() - t0, str(e)
+            finally:
+                await client.close()
+            return None, "finished"
+        elapsed, error = asyncio.run(killed_mid_request())
+        assert elapsed is not None and elapsed < 15, error
+        info = asyncio.run(_info(attention))   # the attention node itself stays up
+        assert info.role == "attention"
+        with expert_node(MOE, transport, 0, 1, port=port):   # back on the same address
+            assert asyncio.run(generate(attention)) == expected
+            _malformed_messages_are_rejected(address, transport)
+            assert asyncio.run(generate(attention)) == expected
+
+
+async def _info(address: str):
+    client = GrpcWorkerClient(address)
+    try:
+        return await client.info()
+    finally:
+        await client.close()
+
+
+def _malformed_messages_are_rejected(expert_address: str, backend: str):
+    """A rogue attention-side endpoint sends a wrong-shaped message: an error reply comes back
+    under the expected tag, the expert counts it, and keeps serving the real attention node."""
+    control = GrpcExpertControl(expert_address)
+    rogue = make_transport(backend, "rogue")
+    try:
+        info = control.info()
+        reply = control.connect(ConnectRequest("rogue", backend, rogue.metadata_for(info.expert_node),
+                                               info.model_id, 2))
+        rogue.connect(reply.expert_node, reply.transport_metadata)
+        rogue.send(info.expert_node, Tag(0, 0, CONTROL_LAYER, DISPATCH), torch.tensor([1.0]))
+        rogue.send(info.expert_node, Tag(0, 0, 0, DISPATCH), torch.zeros(3, 17))
+        answer = rogue.recv(info.expert_node, Tag(0, 0, 0, COMBINE), timeout_s=10)
+        assert answer.dtype == torch.int32
+        assert control.info().rejected == info.rejected + 1
+    finally:
+        rogue.close()
+        control.close()
+
+
+def test_tessera_up_dense_topology_answers_like_the_monolithic_engine(tmp_path, smollm2_engine):
+    spec = yaml.safe_load(open("deploy/topologies/disagg-dense.yaml"))
+    spec["dtype"] = "float32"
+    for role in spec["roles"].values():
+        role["port"] = free_port() if role["replicas"] == 1 else _free_range(role["replicas"])
+    topology = tmp_path / "dense.yaml"
+    topology.write_text(yaml.safe_dump(spec))
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 12,
+            "temperature": 0}
+
+    async def ask(client: httpx.AsyncClient) -> str:
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    async def monolithic() -> str:
+        engine = AsyncEngine(smollm2_engine)
+        app = create_app(LocalWorkerClient(engine), "SmolLM2-135M-Instruct")
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+                return await ask(c)
+        finally:
+            engine.shutdown()
+
+    expected = asyncio.run(monolithic())
+    with tessera_up(str(topology)) as url:
+        async def disaggregated() -> str:
+            async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+                return await ask(c)
+        assert asyncio.run(disaggregated()) == expected
+
+
+def _free_range(n: int) -> int:
+    """A port p with p .. p + n - 1 all free (replica i listens on p + i)."""
+    while True:
+        p = free_port()
+        if p + n < 65535 and all(_is_free(p + i) for i in range(n)):
+            return p
+
+
+def _is_free(port: int) -> bool:
+    import socket
+    with contextlib.closing(socket.socket()) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
