@@ -200,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench.add_parser("serve", help="load generator for any OpenAI-compatible server")
     add_serve_bench_args(p)
     p.set_defaults(fn=cmd_bench_serve)
+    p = bench.add_parser("m2n", help="M2N transport round trips vs torch.distributed all_to_all (gloo)")
+    from tessera.bench import m2n_bench
+    m2n_bench.add_args(p)
+    p.set_defaults(fn=m2n_bench.main)
     return parser
 
 

@@ -9,6 +9,7 @@ silently used. Buffers are allocated once and grown only when a larger message a
 """
 from __future__ import annotations
 
+import os
 import struct
 import threading
 import time
@@ -18,7 +19,7 @@ from typing import Protocol
 import torch
 
 DISPATCH, COMBINE = 0, 1
-DTYPES = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16, 3: torch.int64, 4: torch.int32}
+DTYPES = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16, 3: torch.int64, 4: torch.int32, 5: torch.uint8}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
 HEADER = struct.Struct("<qiiBBBxQ")   # step, micro_batch, layer, direction, dtype, ndim, nbytes
 MAX_NDIM = 8
@@ -119,6 +120,18 @@ class Mailbox:
             slot.tag, slot.dtype, slot.shape = tag, dtype, shape
             self._cond.notify_all()
 
+    def _spin(self, slot: _Slot, epoch: int, src: str, deadline: float) -> None:
+        """Drive the network until the slot fills (or a reset, close or the deadline), without
+        the lock: a tight loop, since the transfer protocol advances only while we poll."""
+        idle = 0
+        while slot.tag is None and not self.closed and self._epochs.get(src, 0) == epoch:
+            idle = 0 if self._poll() else idle + 1
+            if idle and idle % 16 == 0:
+                if time.monotonic() > deadline:
+                    return
+                pause = backoff_s(idle)
+                time.sleep(pause) if pause else os.sched_yield()
+
     def attach(self, src: str, direction: int, index: int, buffer: torch.Tensor) -> None:
         """Use `buffer` (memory registered with a NIC) as one slot's storage."""
         with self._cond:
@@ -144,7 +157,6 @@ class Mailbox:
         """Whatever message the slot holds, with its tag (a receiver that resynchronises after
         an error reads the step number from it). With `expect`, any other tag is an error."""
         deadline = time.monotonic() + timeout_s
-        idle = 0
         with self._cond:
             slot = self._slots.setdefault((src, direction, micro_batch % self.slots), _Slot())
             epoch = self._epochs.get(src, 0)
@@ -158,11 +170,9 @@ class Mailbox:
                     continue
                 self._cond.release()
                 try:
-                    idle = 0 if self._poll() else idle + 1
+                    self._spin(slot, epoch, src, deadline)
                 finally:
                     self._cond.acquire()
-                if slot.tag is None and idle:
-                    self._cond.wait(backoff_s(idle))
             if slot.tag is None:
                 raise TransportError("transport closed" if self.closed else f"link from {src} was reset")
             if expect is not None and slot.tag != expect:

@@ -17,7 +17,9 @@ this endpoint's owner is busy computing.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import struct
 import threading
 import time
@@ -67,6 +69,7 @@ class NixlTransport:
         self.mailbox = Mailbox(slots, poll=self._progress)
         self._regions: dict[str, torch.Tensor] = {}
         self._peers: dict[str, _Peer] = {}
+        self._writing: set[str] = set()   # peers with writes in flight
         self.rejected = 0
         self._keeper = threading.Thread(target=self._keep, name=f"nixl-progress-{name}", daemon=True)
         self._keeper.start()
@@ -114,8 +117,9 @@ class NixlTransport:
                 self.agent.send_notif(dst, _DATA + header)
             return
         offset = (slot[0] * peer.slots + slot[1]) * peer.capacity
-        with torch.inference_mode(False), torch.no_grad():
-            peer.staging[offset:offset + data.numel()].copy_(data)
+        # memmove, not Tensor.copy_: a copy_ may wake torch's worker threads, which costs
+        # milliseconds when the cores are busy polling.
+        ctypes.memmove(peer.staging.data_ptr() + offset, data.data_ptr(), data.numel())
         with self._lock:
             local = self.agent.get_xfer_descs([(peer.staging.data_ptr() + offset, data.numel(), 0)], "DRAM")
             remote = self.agent.get_xfer_descs([(peer.address + offset, data.numel(), 0)], "DRAM")
@@ -124,6 +128,7 @@ class NixlTransport:
                 handle.release()
                 raise TransportError(f"write to {dst} failed")
             peer.writes[slot] = handle
+            self._writing.add(dst)
 
     def _written(self, peer: _Peer, slot: tuple[int, int]) -> bool:
         """Whether the last write from this staging slot has completed (then it may be reused)."""
@@ -136,6 +141,8 @@ class NixlTransport:
                 return False
             handle.release()
             del peer.writes[slot]
+            if not peer.writes:
+                self._writing = {n for n in self._writing if self._peers[n].writes}
         if state != "DONE":
             raise TransportError("an earlier write failed: the peer is gone")
         return True
@@ -177,9 +184,10 @@ class NixlTransport:
     def _progress(self) -> bool:
         """Drive our writes in flight and deliver the notifications that arrived; True if
         there were any. (A posted write moves only while its sender checks on it.)"""
-        for peer in list(self._peers.values()):
-            for slot in list(peer.writes):
-                self._written(peer, slot)
+        if self._writing:
+            for peer in [self._peers[name] for name in self._writing]:
+                for slot in list(peer.writes):
+                    self._written(peer, slot)
         with self._lock:
             notifs = self.agent.get_new_notifs()
         for src, messages in notifs.items():
@@ -209,7 +217,8 @@ class NixlTransport:
                 raise TransportError(f"timed out after {self.timeout_s:g} s waiting for {what}")
             idle = 0 if self._progress() else idle + 1
             if idle:
-                time.sleep(backoff_s(idle))
+                pause = backoff_s(idle)
+                time.sleep(pause) if pause else os.sched_yield()
 
     def _registered(self, nbytes: int) -> torch.Tensor:
         with torch.inference_mode(False):
