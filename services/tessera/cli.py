@@ -204,6 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     from tessera.bench import m2n_bench
     m2n_bench.add_args(p)
     p.set_defaults(fn=m2n_bench.main)
+    p = bench.add_parser("afd", help="AFD decode throughput for m = 1, 2, 3 vs the monolithic engine")
+    from tessera.bench import afd_bench
+    afd_bench.add_args(p)
+    p.set_defaults(fn=afd_bench.main)
     return parser
 
 

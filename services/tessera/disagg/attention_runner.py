@@ -13,6 +13,7 @@ in-process twin) resets the expert's side, and our own slots from that node are 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -49,6 +50,8 @@ class AttentionRunner(ModelRunner):
         self.reconnect = reconnect
         self.failed_steps = 0
         self._resync = False
+        self.attn_s = 0.0    # profiling: attention halves + dispatch (T_a), and waits for replies
+        self.wait_s = 0.0
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         if self._resync:
@@ -77,8 +80,10 @@ class AttentionRunner(ModelRunner):
         xs = [model.embed_tokens(b.input_ids) for b in batches]
         ropes = [model.rope(b.positions, xs[0].dtype) for b in batches]
         for l, (layer, kv) in enumerate(zip(model.layers, self.kv_caches)):
+            t0 = time.perf_counter()
             flights = [self._dispatch(l, i, xs[i] + layer.attn(xs[i], b, kv, ropes[i]), layer.ffn)
                        for i, b in enumerate(batches)]
+            self.attn_s += time.perf_counter() - t0
             xs = [self._combine(l, i, f, layer.ffn) for i, f in enumerate(flights)]
         hidden = torch.cat([model.norm(x[b.logits_idx]) for x, b in zip(xs, batches)])
         self.step += 1
@@ -105,7 +110,9 @@ class AttentionRunner(ModelRunner):
         tag = Tag(self.step, mb, layer, COMBINE)
         out = torch.zeros_like(f.h)
         for node, rows in zip(self.expert_nodes, f.selected):
+            t0 = time.perf_counter()
             reply = self.transport.recv(node, tag, self.timeout_s)
+            self.wait_s += time.perf_counter() - t0
             if reply.dtype == torch.int32:   # the expert node rejected what we sent
                 self.transport.release(node, tag)
                 raise TransportError(f"expert node {node} rejected {tag}")

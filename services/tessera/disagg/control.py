@@ -34,6 +34,9 @@ class ExpertInfo:
     tokens_in: int
     rejected: int
     attention_nodes: tuple[str, ...]
+    compute_s: float = 0.0
+    batches: int = 0
+    uptime_s: float = 0.0
 
 
 class LinkRefused(RuntimeError):

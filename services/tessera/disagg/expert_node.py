@@ -2,6 +2,8 @@
 threads that answer attention nodes. Plain Python; entrypoints/expert_node.py puts gRPC on it."""
 from __future__ import annotations
 
+import time
+
 from tessera.disagg.control import ConnectReply, ConnectRequest, ExpertInfo, LinkRefused
 from tessera.disagg.expert_shard import ExpertShard, ExpertWorker
 from tessera.transport.base import Transport
@@ -15,6 +17,7 @@ class ExpertNode:
         self.shard_index, self.shard_count = shard_index, shard_count
         self.worker = ExpertWorker(shard, transport, timeout_s=timeout_s)
         self.attention_nodes: list[str] = []
+        self.started = time.monotonic()
 
     def connect(self, request: ConnectRequest) -> ConnectReply:
         if request.transport != self.transport_name:
@@ -31,8 +34,10 @@ class ExpertNode:
         return ConnectReply(self.name, metadata, self.shard_index, self.shard_count)
 
     def info(self) -> ExpertInfo:
+        w = self.worker
         return ExpertInfo(self.name, self.model_id, self.shard_index, self.shard_count, self.transport_name,
-                          self.worker.tokens_in, self.worker.rejected, tuple(self.attention_nodes))
+                          w.tokens_in, w.rejected, tuple(self.attention_nodes), w.compute_s, w.batches,
+                          time.monotonic() - self.started)
 
     def close(self) -> None:
         self.worker.stop()

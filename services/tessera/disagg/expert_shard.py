@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import torch
 import torch.nn.functional as F
@@ -97,6 +98,8 @@ class ExpertWorker:
         self.shard, self.transport, self.timeout_s = shard, transport, timeout_s
         self.tokens_in = 0
         self.rejected = 0
+        self.compute_s = 0.0     # for profiling: T_e and the idle fraction
+        self.batches = 0
         self._threads: dict[str, threading.Thread] = {}
         self._generation: dict[str, int] = {}
         self._stopped = False
@@ -140,7 +143,10 @@ class ExpertWorker:
                 try:
                     message = self.transport.recv(src, tag, self.timeout_s).clone()
                     self.transport.release(src, tag)
+                    t0 = time.perf_counter()
                     out = self.shard.compute(layer, message)
+                    self.compute_s += time.perf_counter() - t0
+                    self.batches += 1
                 except (TransportError, RuntimeError, ValueError) as e:
                     self._reply_error(src, Tag(step, mb, layer, COMBINE))
                     raise TransportError(str(e)) from e

@@ -140,12 +140,13 @@ def connect_reply_from_proto(m: expert_pb2.ConnectResponse) -> ConnectReply:
 def expert_info_to_proto(i: ExpertInfo) -> expert_pb2.ExpertInfoResponse:
     return expert_pb2.ExpertInfoResponse(
         expert_node=i.expert_node, model_id=i.model_id, shard_index=i.shard_index, shard_count=i.shard_count,
-        transport=i.transport, tokens_in=i.tokens_in, rejected=i.rejected, attention_nodes=list(i.attention_nodes))
+        transport=i.transport, tokens_in=i.tokens_in, rejected=i.rejected, attention_nodes=list(i.attention_nodes),
+        compute_s=i.compute_s, batches=i.batches, uptime_s=i.uptime_s)
 
 
 def expert_info_from_proto(m: expert_pb2.ExpertInfoResponse) -> ExpertInfo:
     return ExpertInfo(m.expert_node, m.model_id, m.shard_index, m.shard_count, m.transport, m.tokens_in,
-                      m.rejected, tuple(m.attention_nodes))
+                      m.rejected, tuple(m.attention_nodes), m.compute_s, m.batches, m.uptime_s)
 
 
 def link_error_from_status(code: grpc.StatusCode, details: str | None) -> Exception:

@@ -30,6 +30,7 @@ import torch
 from tessera.transport.base import (Mailbox, Tag, TransportError, backoff_s, pack_header, tensor_bytes,
                                     unpack_header)
 
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")   # its INFO lines go to stdout (and into --json)
 try:
     from nixl_cu12._api import nixl_agent, nixl_agent_config
 except ImportError:   # other builds of the wheel name the package plainly
