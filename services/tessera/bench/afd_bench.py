@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-BENCH_MODEL = "random:mixtral:hidden_size=256,intermediate_size=512,num_hidden_layers=4,vocab_size=4096"
+BENCH_MODEL = "random:mixtral:hidden_size=1024,intermediate_size=512,num_hidden_layers=4,vocab_size=4096"
 
 
 def add_args(p) -> None:
@@ -59,7 +59,7 @@ def _engine_config(a, threads: int):
     from tessera.config import CacheConfig, EngineConfig, SchedulerConfig
     return EngineConfig(model=a.model, dtype="float32", num_threads=threads,
                         cache=CacheConfig(block_size=16, num_blocks=1024),
-                        scheduler=SchedulerConfig(max_num_seqs=a.batch, max_num_batched_tokens=2048))
+                        scheduler=SchedulerConfig(max_num_seqs=a.batch, max_num_batched_tokens=1024))
 
 
 def _expert_process(a, port: int) -> subprocess.Popen:

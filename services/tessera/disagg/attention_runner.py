@@ -2,9 +2,10 @@
 keeps embeddings, attention halves, KV cache, FFN norms, routers, shared experts and the LM
 head, and sends each layer's FFN work to the expert nodes over the M2N transport.
 
-Ping-pong (MegaScale-Infer §3.3): the step's requests are split into m micro-batches; at each
-layer all m attention halves run and are dispatched before the first reply is awaited, so
-expert nodes compute micro-batch i while this node runs attention for micro-batch i + 1.
+Ping-pong (MegaScale-Infer §3.3): the step's requests are split into m micro-batches that
+move through the layers one behind the other: micro-batch i runs layer l's attention as soon
+as its layer l-1 reply is back, so the expert nodes compute micro-batch i while this node runs
+attention for micro-batch i + 1 (or for micro-batch 0 of the next layer).
 
 A step that fails (an expert node rejected a message, died, or did not answer within
 timeout_s) raises; the engine fails that step's requests, and the next step first
@@ -79,12 +80,18 @@ class AttentionRunner(ModelRunner):
         model = self.model
         xs = [model.embed_tokens(b.input_ids) for b in batches]
         ropes = [model.rope(b.positions, xs[0].dtype) for b in batches]
+        # Micro-batch i enters layer l as soon as its layer l-1 reply is back, while the
+        # expert nodes work on the micro-batches dispatched after it (the ping-pong).
+        flights: list[_InFlight | None] = [None] * m
         for l, (layer, kv) in enumerate(zip(model.layers, self.kv_caches)):
-            t0 = time.perf_counter()
-            flights = [self._dispatch(l, i, xs[i] + layer.attn(xs[i], b, kv, ropes[i]), layer.ffn)
-                       for i, b in enumerate(batches)]
-            self.attn_s += time.perf_counter() - t0
-            xs = [self._combine(l, i, f, layer.ffn) for i, f in enumerate(flights)]
+            for i, b in enumerate(batches):
+                if l:
+                    xs[i] = self._combine(l - 1, i, flights[i], model.layers[l - 1].ffn)
+                t0 = time.perf_counter()
+                flights[i] = self._dispatch(l, i, xs[i] + layer.attn(xs[i], b, kv, ropes[i]), layer.ffn)
+                self.attn_s += time.perf_counter() - t0
+        last = len(model.layers) - 1
+        xs = [self._combine(last, i, f, model.layers[last].ffn) for i, f in enumerate(flights)]
         hidden = torch.cat([model.norm(x[b.logits_idx]) for x, b in zip(xs, batches)])
         self.step += 1
         return model.compute_logits(hidden)

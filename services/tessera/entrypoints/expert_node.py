@@ -20,6 +20,7 @@ from tessera.transport.base import TransportError
 
 log = logging.getLogger("tessera.expert_node")
 SERVICE = "tessera.rpc.v1.ExpertNode"
+EXPERT_SLOT_BYTES = 32 << 20   # e.g. 14k tokens of SmolLM2 (H = 576) per micro-batch
 
 
 class ExpertNodeServicer(expert_pb2_grpc.ExpertNodeServicer):
@@ -45,7 +46,9 @@ def load_expert_node(model: str, dtype: str, name: str, index: int, count: int, 
     shard = ExpertShard.from_model(full, index, count)
     del full
     backend = resolve_backend(transport)
-    return ExpertNode(name, shard, make_transport(backend, name, slots=4), backend, model_id_for(model),
+    # Receive slots hold one dispatch: up to a scheduler chunk of tokens x (H + 2k) float32.
+    transport = make_transport(backend, name, slots=4, capacity_bytes=EXPERT_SLOT_BYTES)
+    return ExpertNode(name, shard, transport, backend, model_id_for(model),
                       index, count, timeout_s)
 
 
