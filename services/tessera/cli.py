@@ -208,6 +208,15 @@ def build_parser() -> argparse.ArgumentParser:
     from tessera.bench import afd_bench
     afd_bench.add_args(p)
     p.set_defaults(fn=afd_bench.main)
+    p = sub.add_parser("profile", help="measure T_a(b), T_e(b), T_c(b), T_o(b) here; write a JSON profile")
+    from tessera.disagg import profile
+    profile.add_args(p)
+    p.set_defaults(fn=profile.main)
+    plan = sub.add_parser("plan").add_subparsers(dest="plan_command", required=True)
+    p = plan.add_parser("afd", help="MegaScale-Infer plan search (Algorithm 1); writes a topology file")
+    from tessera.disagg import plan_cli
+    plan_cli.add_args(p)
+    p.set_defaults(fn=plan_cli.main)
     return parser
 
 

@@ -28,6 +28,7 @@ def add_args(p) -> None:
     p.add_argument("--micro-batches", default="1,2,3")
     p.add_argument("--transport", default="auto", choices=["auto", "nixl", "tcp"])
     p.add_argument("--json", action="store_true")
+    p.add_argument("--profile", default=None, help="a `tessera profile` JSON: add the simulator's prediction")
 
 
 def timed_decode(engine, batch: int, prompt_len: int, steps: int, probe=lambda: None):
@@ -69,12 +70,13 @@ def _expert_process(a, port: int) -> subprocess.Popen:
 
 
 def afd_row(a, m: int, address: str) -> dict:
+    """One AFD configuration; per-layer times are per micro-batch (of batch / m tokens)."""
     from tessera.config import AfdConfig
     from tessera.disagg.attention_node import build_attention_engine
     from tessera.rpc.expert_client import GrpcExpertControl
     control = GrpcExpertControl(address)
     engine = build_attention_engine(_engine_config(a, 1), AfdConfig(
-        name=f"bench-attention-m{m}", expert_nodes=(address,), transport=a.transport, micro_batches=m,
+        name=f"bench-attention-m{m}-b{a.batch}", expert_nodes=(address,), transport=a.transport, micro_batches=m,
         connect_wait_s=120), [control])
     runner = engine.runner
     timed_decode(engine, a.batch, a.prompt_len, 4)                  # warm-up
@@ -90,6 +92,7 @@ def afd_row(a, m: int, address: str) -> dict:
             "iteration_ms": round(1e3 * elapsed / a.steps, 2), "layers": layers,
             "t_a_ms": round(1e3 * t_a, 3), "t_e_ms": round(1e3 * t_e, 3),
             "t_c_ms": round(1e3 * max(0.0, wait - t_e) / 2, 3) if m == 1 else None,
+            "t_o_ms": round(1e3 * (elapsed - (attn1 - attn0) - (wait1 - wait0)) / a.steps, 3),
             "attention_idle": round(min(1.0, (wait1 - wait0) / elapsed), 3),
             "expert_idle": round(max(0.0, 1 - expert_s / elapsed), 3)}
 
@@ -120,6 +123,13 @@ def main(a) -> int:
     finally:
         expert.terminate()
         expert.wait(timeout=20)
+    if a.profile:
+        from tessera.disagg.profile import load_profile
+        from tessera.disagg.simulator import simulate
+        model = load_profile(a.profile)
+        for r in rows[1:]:
+            r["simulated_ms"] = round(1e3 * simulate(model, a.batch, r["micro_batches"]), 2)
+            r["simulation_error"] = round(r["simulated_ms"] / r["iteration_ms"] - 1, 3)
     if a.json:
         print(json.dumps(rows, indent=1))
     else:

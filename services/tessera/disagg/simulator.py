@@ -1,0 +1,66 @@
+"""Discrete-event simulator of the ping-pong schedule (MegaScale-Infer §3.3, papers.md §1.3).
+
+Each attention node is one server that runs, for layer l and micro-batch i, the attention
+half (T_a of b/m tokens) as soon as micro-batch i's layer l-1 reply is back, in the order our
+AttentionRunner uses; a dispatch reaches the expert nodes T_c later; each expert node is one
+server taking micro-batches first-come first-served (T_e); the reply is back T_c later. The
+step ends with T_o (embedding, final norm, LM head, sampling). Fed by a profile (linear fits
+T(b) = k*b + c), it predicts the iteration time of any (M, N, m, B).
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Linear:
+    """T(b) = slope * b + intercept, in seconds (a profile's fit)."""
+    slope: float
+    intercept: float
+
+    def __call__(self, b: float) -> float:
+        return self.slope * b + self.intercept
+
+
+@dataclass(frozen=True)
+class StepModel:
+    t_a: Linear            # one attention half + dispatch, b tokens, one layer
+    t_e: Linear            # one expert node, b attention tokens of one micro-batch, one layer
+    t_c: Linear            # one direction of one micro-batch, by tokens
+    t_o: Linear            # per step, outside the layers
+    layers: int
+
+
+def simulate(model: StepModel, batch: int, m: int, attention_nodes: int = 1, expert_nodes: int = 1) -> float:
+    """Iteration time (s) of one decode step with `batch` tokens per attention node."""
+    sizes = [batch // m + (i < batch % m) for i in range(m)]
+    attn_free = [0.0] * attention_nodes
+    expert_free = [0.0] * expert_nodes
+    ready = {(a, i): 0.0 for a in range(attention_nodes) for i in range(m)}   # reply back at
+    done = [0.0] * attention_nodes
+    for layer in range(model.layers):
+        arrivals = []
+        for a in range(attention_nodes):
+            for i, b in enumerate(sizes):
+                start = max(attn_free[a], ready[a, i])
+                attn_free[a] = start + model.t_a(b)
+                heapq.heappush(arrivals, (attn_free[a] + model.t_c(b), a, i, b))
+        replies = {}
+        while arrivals:          # each expert node serves dispatches in arrival order
+            at, a, i, b = heapq.heappop(arrivals)
+            back = 0.0
+            for e in range(expert_nodes):
+                expert_free[e] = max(expert_free[e], at) + model.t_e(b)
+                back = max(back, expert_free[e] + model.t_c(b))
+            replies[a, i] = back
+        ready = replies
+    for a in range(attention_nodes):
+        done[a] = max(attn_free[a], max(ready[a, i] for i in range(m))) + model.t_o(batch)
+    return max(done)
+
+
+def paper_total(t_a: float, t_e: float, t_c: float, m: int, layers: int) -> float:
+    """MegaScale-Infer Eq. 5: T_total = (T_a + T_e + 2 T_c) + T_f (m L - 1), T_f = max(T_a, T_e)."""
+    t_f = max(t_a, t_e)
+    return (t_a + t_e + 2 * t_c) + t_f * (m * layers - 1)

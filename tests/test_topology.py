@@ -1,0 +1,44 @@
+"""Topology files: the ones in deploy/topologies load, expand into the right processes, and
+bad files are refused with a clear error."""
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from tessera.config import ConfigError
+from tessera.deploy.topology import Topology
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "deploy" / "topologies").glob("*.yaml")))
+def test_shipped_topologies_load(path):
+    assert Topology.load(path).processes()
+
+
+def test_disagg_moe_expands_to_linked_processes():
+    t = Topology.load(ROOT / "deploy/topologies/disagg-moe.yaml").with_overrides(port=9000, dtype="bfloat16")
+    procs = {p.name: p for p in t.processes()}
+    assert list(procs) == ["expert-node-0", "expert-node-1", "attention-node-0", "attention-node-1", "gateway-0"]
+    attention = procs["attention-node-1"].argv
+    assert attention[attention.index("--dtype") + 1] == "bfloat16"
+    assert [attention[i + 1] for i, a in enumerate(attention) if a == "--expert"] == \
+        ["127.0.0.1:50071", "127.0.0.1:50072"]
+    assert procs["expert-node-1"].argv[-6:] == ("--shard-index", "1", "--shard-count", "2", "--transport", "auto")
+    gateway = procs["gateway-0"]
+    assert gateway.port == 9000 and gateway.argv.count("--worker") == 2
+
+
+@pytest.mark.parametrize("text,error", [
+    ("roles: {gateway: {port: 1}, worker: {port: 2, colour: red}}", "unknown options"),
+    ("roles: {gateway: {port: 1}, mystery: {port: 2}}", "unknown role"),
+    ("roles: {gateway: {port: 1}, attention_node: {port: 2}}", "come together"),
+    ("roles: {worker: {port: 2}}", "needs a gateway"),
+    ("name: x", "roles"),
+])
+def test_bad_topologies_are_refused(tmp_path, text, error):
+    path = tmp_path / "t.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=error):
+        Topology.load(path)
