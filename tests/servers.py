@@ -99,3 +99,33 @@ def tessera_up(topology: str, timeout_s: float = 240.0):
 
     with _process(["up", topology], healthy, timeout_s):
         yield url
+
+
+@contextlib.contextmanager
+def redis_url():
+    """$REDIS_URL when set, else a redis-server of our own on a free port (no persistence)."""
+    if os.environ.get("REDIS_URL"):
+        yield os.environ["REDIS_URL"]
+        return
+    import shutil
+    import tempfile
+    server = shutil.which("redis-server")
+    if server is None:
+        raise RuntimeError("set REDIS_URL or install redis-server")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                 "--appendonly", "no", "--dir", tmp], stdout=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 10
+            while True:
+                with contextlib.closing(socket.socket()) as s:
+                    if s.connect_ex(("127.0.0.1", port)) == 0:
+                        break
+                if time.monotonic() > deadline:
+                    raise TimeoutError("redis-server did not start")
+                time.sleep(0.1)
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)

@@ -38,8 +38,22 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
 
 def cmd_worker(a: argparse.Namespace) -> int:
     from tessera.entrypoints.worker import serve
-    asyncio.run(serve(engine_config(a), a.host, a.port))
+    asyncio.run(serve(engine_config(a), a.host, a.port, registration=_registration(a)))
     return 0
+
+
+def _registration(a: argparse.Namespace):
+    """(registry url, prefix, advertised address) when the worker should register itself."""
+    if not a.registry:
+        return None
+    return a.registry, a.registry_prefix, a.advertise or f"{a.host}:{a.port}"
+
+
+def _registry_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--registry", default=os.environ.get("TESSERA_REGISTRY"),
+                   help="Redis URL to register in, with heartbeats (default $TESSERA_REGISTRY)")
+    p.add_argument("--registry-prefix", default="tessera")
+    p.add_argument("--advertise", default=None, help="address others reach this worker at (default host:port)")
 
 
 def cmd_attention_node(a: argparse.Namespace) -> int:
@@ -52,7 +66,7 @@ def cmd_attention_node(a: argparse.Namespace) -> int:
                     micro_batches=a.micro_batches, timeout_s=a.ffn_timeout_s)
     controls = [GrpcExpertControl(address) for address in afd.expert_nodes]
     asyncio.run(serve(config, a.host, a.port, build=lambda: build_attention_engine(config, afd, controls),
-                      role="attention"))
+                      role="attention", registration=_registration(a)))
     return 0
 
 
@@ -73,14 +87,43 @@ def cmd_gateway(a: argparse.Namespace) -> int:
     from tessera.rpc.client import GrpcWorkerClient
     from tessera.worker_pool import WorkerPool
 
-    workers = a.worker or [os.environ.get("TESSERA_WORKER", "127.0.0.1:50051")]
-    infos = [asyncio.run(_wait_for_worker(w, a.wait_s)) for w in workers]
-    client = GrpcWorkerClient(workers[0]) if len(workers) == 1 else \
-        WorkerPool([GrpcWorkerClient(w) for w in workers])
-    app = create_app(client, a.served_model_name or infos[0].model_id)
-    print(f"tessera gateway on http://{a.host}:{a.port} -> {', '.join(workers)} ({infos[0].model_id})", flush=True)
+    background = []
+    if a.registry:
+        from tessera.registry import RedisRegistry
+        registry = RedisRegistry(a.registry, prefix=a.registry_prefix)
+        record = asyncio.run(_wait_for_registered(a.registry, a.registry_prefix, a.served_model_name, a.wait_s))
+        model, workers = record.model, []
+        pool = WorkerPool(GrpcWorkerClient, [record.address])
+        background.append(lambda: pool.watch(registry, model))
+        client, source = pool, f"registry {a.registry}"
+    else:
+        workers = a.worker or [os.environ.get("TESSERA_WORKER", "127.0.0.1:50051")]
+        model = asyncio.run(_wait_for_worker(workers[0], a.wait_s)).model_id
+        client = GrpcWorkerClient(workers[0]) if len(workers) == 1 else WorkerPool(GrpcWorkerClient, workers)
+        source = ", ".join(workers)
+    app = create_app(client, a.served_model_name or model, background)
+    print(f"tessera gateway on http://{a.host}:{a.port} -> {source} ({model})", flush=True)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning", timeout_graceful_shutdown=5)
     return 0
+
+
+async def _wait_for_registered(url: str, prefix: str, model: str | None, wait_s: float):
+    from tessera.registry import RedisRegistry, RegistryUnavailable
+    registry = RedisRegistry(url, prefix=prefix)
+    deadline = time.monotonic() + wait_s
+    try:
+        while True:
+            try:
+                records = await registry.list(model)
+                if records:
+                    return records[0]
+            except RegistryUnavailable:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit(f"no worker registered in {url} within {wait_s:.0f} s")
+            await asyncio.sleep(0.5)
+    finally:
+        await registry.close()
 
 
 async def _wait_for_worker(address: str, wait_s: float):
@@ -155,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
+    _registry_args(p)
     p.set_defaults(fn=cmd_worker)
     p = sub.add_parser("attention-node", help="AFD: attention, KV cache, router and sampler (a worker)")
     _engine_args(p)
@@ -165,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", default="auto", choices=["auto", "nixl", "tcp"])
     p.add_argument("--micro-batches", type=int, default=2, help="ping-pong depth m (1: off)")
     p.add_argument("--ffn-timeout-s", type=float, default=10.0)
+    _registry_args(p)
     p.set_defaults(fn=cmd_attention_node)
     p = sub.add_parser("expert-node", help="AFD: a share of every layer's FFN / experts")
     p.add_argument("--model", default="smollm2")
@@ -183,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--registry", default=os.environ.get("TESSERA_REGISTRY"),
+                   help="Redis URL: route to the workers registered there (default $TESSERA_REGISTRY)")
+    p.add_argument("--registry-prefix", default="tessera")
     p.add_argument("--wait-s", type=float, default=300.0)
     p.set_defaults(fn=cmd_gateway)
     model = sub.add_parser("model").add_subparsers(dest="model_command", required=True)

@@ -28,6 +28,11 @@ class GatewayMetrics:
                               labels, registry=r)
         self._kv = Gauge("tessera_kv_cache_usage_ratio", "Fraction of KV blocks in use", labels, registry=r)
         self._kv_free = Gauge("tessera_kv_cache_free_blocks", "Free KV blocks", labels, registry=r)
+        self._workers = Gauge("tessera_gateway_workers", "Workers the gateway routes to (registry members)",
+                              labels, registry=r)
+        self._failovers = Counter("tessera_gateway_failovers", "Requests resumed on another worker",
+                                  labels, registry=r)
+        self._failovers_seen = 0
         self.model_name = model_name
         self.ttft, self.itl, self.e2e = (h.labels(model_name) for h in (self._ttft, self._itl, self._e2e))
 
@@ -40,7 +45,11 @@ class GatewayMetrics:
     def count(self, status: int) -> None:
         self.requests.labels(self.model_name, str(status)).inc()
 
-    def render(self, info: WorkerInfo | None) -> bytes:
+    def render(self, info: WorkerInfo | None, pool=None) -> bytes:
+        if pool is not None:   # a WorkerPool: membership and failovers so far
+            self._workers.labels(self.model_name).set(len(pool.members))
+            self._failovers.labels(self.model_name).inc(pool.failovers - self._failovers_seen)
+            self._failovers_seen = pool.failovers
         if info is not None:
             m = self.model_name
             self._running.labels(m).set(info.num_running)

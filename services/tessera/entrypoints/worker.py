@@ -51,8 +51,10 @@ async def _watch_health(engine: AsyncEngine, health_servicer: health.HealthServi
         await asyncio.sleep(1.0)
 
 
-async def serve(config: EngineConfig, host: str, port: int, build=None, role: str = "worker") -> None:
-    """build() makes the engine (default: a monolithic one); an attention node passes its own."""
+async def serve(config: EngineConfig, host: str, port: int, build=None, role: str = "worker",
+                registration=None) -> None:
+    """build() makes the engine (default: a monolithic one); an attention node passes its own.
+    registration = (redis url, key prefix, advertised address) registers it with heartbeats."""
     engine = AsyncEngine(build() if build is not None else Engine(config), role=role)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine), server)
@@ -61,10 +63,37 @@ async def serve(config: EngineConfig, host: str, port: int, build=None, role: st
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     watcher = asyncio.create_task(_watch_health(engine, health_servicer))
+    registered = asyncio.create_task(_register(engine, config, role, registration)) if registration else None
     log.info("worker %s serving on %s:%d", engine.engine.model_id, host, bound)
     print(f"tessera worker ready on {host}:{bound}", flush=True)
     try:
         await server.wait_for_termination()
     finally:
         watcher.cancel()
+        if registered is not None:
+            registered.cancel()
         engine.shutdown()
+
+
+async def _register(engine: AsyncEngine, config: EngineConfig, role: str, registration) -> None:
+    """Heartbeat this worker's record (with its current load) into the registry until cancelled."""
+    import uuid
+
+    from tessera.registry import RedisRegistry, WorkerRecord, compatibility_hash, heartbeat
+    url, prefix, address = registration
+    registry = RedisRegistry(url, prefix=prefix)
+    worker_id = f"{role}-{address}-{uuid.uuid4().hex[:6]}"
+    version = compatibility_hash(engine.engine.model_id, config.dtype)
+
+    def record() -> WorkerRecord:
+        info = engine.info()
+        return WorkerRecord(worker_id, role, info.model_id, address, config.scheduler.max_num_seqs,
+                            info.num_running + info.num_waiting, version)
+    try:
+        await heartbeat(registry, record)
+    finally:
+        try:
+            await registry.remove(worker_id)
+        except Exception:
+            pass
+        await registry.close()

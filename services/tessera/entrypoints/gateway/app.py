@@ -7,6 +7,7 @@ All OpenAI logic lives in tessera.openai_api; this module wires it to HTTP.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 
@@ -27,8 +28,16 @@ from tessera.worker_api import GenerateInput, WorkerClient, WorkerError, WorkerI
 HEALTH_TIMEOUT_S = 30.0
 
 
-def create_app(client: WorkerClient, model_name: str) -> FastAPI:
-    app = FastAPI(title="Tessera", version="0.1.0")
+def create_app(client: WorkerClient, model_name: str, background=()) -> FastAPI:
+    """background: coroutine functions run while the app serves (e.g. following the registry)."""
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        tasks = [asyncio.create_task(job()) for job in background]
+        yield
+        for task in tasks:
+            task.cancel()
+
+    app = FastAPI(title="Tessera", version="0.1.0", lifespan=lifespan)
     metrics = GatewayMetrics(model_name)
     app.state.client, app.state.metrics = client, metrics
     _add_middleware_and_errors(app, metrics)
@@ -145,7 +154,7 @@ def _add_ops_routes(app: FastAPI, client: WorkerClient, metrics: GatewayMetrics)
             info = await client.info()
         except WorkerError:
             pass
-        return Response(metrics.render(info), media_type="text/plain; version=0.0.4")
+        return Response(metrics.render(info, client if hasattr(client, "failovers") else None), media_type="text/plain; version=0.0.4")
 
 
 def _usage(body) -> bool:

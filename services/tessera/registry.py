@@ -1,0 +1,123 @@
+"""Worker discovery: each worker (monolithic worker or attention node) registers a record under
+a key with a TTL and refreshes it by heartbeats; the gateway lists the records of its model.
+
+    {prefix}:worker:{id} = JSON WorkerRecord, EX ttl_s
+
+A worker that stops heartbeating disappears within ttl_s. While the registry is down, workers
+keep retrying (their next heartbeat re-registers them) and the gateway keeps routing to the
+members it last saw. RedisRegistry talks to a real Redis; MemoryRegistry is its in-process
+twin with the same interface (and the same expiry semantics).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger("tessera.registry")
+DEFAULT_TTL_S = 3.0
+HEARTBEAT_S = 1.0
+
+
+class RegistryUnavailable(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    worker_id: str
+    role: str            # worker | attention
+    model: str           # the served model id the gateway routes by
+    address: str         # gRPC host:port
+    capacity: int        # max running requests
+    load: int = 0        # running + waiting at the last heartbeat
+    version: str = ""    # compatibility hash: model + dtype + protocol version
+
+
+def compatibility_hash(model: str, dtype: str, protocol: str = "tessera.rpc.v1") -> str:
+    return hashlib.sha256(f"{model}|{dtype}|{protocol}".encode()).hexdigest()[:12]
+
+
+class RedisRegistry:
+    def __init__(self, url: str, prefix: str = "tessera", ttl_s: float = DEFAULT_TTL_S) -> None:
+        import redis.asyncio as redis
+        self.client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self.prefix, self.ttl_s = prefix, ttl_s
+
+    def _key(self, worker_id: str) -> str:
+        return f"{self.prefix}:worker:{worker_id}"
+
+    async def put(self, record: WorkerRecord) -> None:
+        try:
+            await self.client.set(self._key(record.worker_id), json.dumps(dataclasses.asdict(record)),
+                                  px=int(self.ttl_s * 1000))
+        except Exception as e:   # redis.exceptions.* and OSError: the registry is down
+            raise RegistryUnavailable(str(e)) from e
+
+    async def remove(self, worker_id: str) -> None:
+        try:
+            await self.client.delete(self._key(worker_id))
+        except Exception as e:
+            raise RegistryUnavailable(str(e)) from e
+
+    async def list(self, model: str | None = None) -> list[WorkerRecord]:
+        try:
+            keys = [k async for k in self.client.scan_iter(match=f"{self.prefix}:worker:*", count=500)]
+            values = await self.client.mget(keys) if keys else []
+        except Exception as e:
+            raise RegistryUnavailable(str(e)) from e
+        records = [WorkerRecord(**json.loads(v)) for v in values if v is not None]
+        return sorted((r for r in records if model is None or r.model == model), key=lambda r: r.worker_id)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+class MemoryRegistry:
+    """In-process twin: the same records and expiry, in a dict."""
+
+    def __init__(self, ttl_s: float = DEFAULT_TTL_S) -> None:
+        self.ttl_s = ttl_s
+        self.records: dict[str, tuple[float, WorkerRecord]] = {}
+        self.down = False     # tests flip it to play a registry outage
+
+    def _check(self) -> None:
+        if self.down:
+            raise RegistryUnavailable("registry is down")
+
+    async def put(self, record: WorkerRecord) -> None:
+        self._check()
+        self.records[record.worker_id] = (time.monotonic() + self.ttl_s, record)
+
+    async def remove(self, worker_id: str) -> None:
+        self._check()
+        self.records.pop(worker_id, None)
+
+    async def list(self, model: str | None = None) -> list[WorkerRecord]:
+        self._check()
+        now = time.monotonic()
+        live = [r for expiry, r in self.records.values() if expiry > now]
+        return sorted((r for r in live if model is None or r.model == model), key=lambda r: r.worker_id)
+
+    async def close(self) -> None:
+        pass
+
+
+async def heartbeat(registry, record_now, interval_s: float = HEARTBEAT_S) -> None:
+    """Put record_now() every interval_s until cancelled; outages are logged and retried."""
+    warned = False
+    while True:
+        try:
+            await registry.put(record_now())
+            if warned:
+                log.warning("registry is back: re-registered")
+            warned = False
+        except RegistryUnavailable as e:
+            if not warned:
+                log.warning("registry unavailable (%s); retrying every %.1f s", e, interval_s)
+            warned = True
+        await asyncio.sleep(interval_s)

@@ -1,0 +1,134 @@
+"""Discovery and failover: workers register in a real Redis with TTL heartbeats; the gateway
+routes to what it finds; a worker SIGKILLed with 8 streams in flight leaves the registry
+within the TTL and every stream completes on the other replica with exactly the text an
+uninterrupted run gives; a registry outage does not stop the gateway."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+import uuid
+
+import httpx
+import pytest
+
+from servers import _process, free_port, redis_url, tessera_grpc
+from tessera.registry import MemoryRegistry, RedisRegistry, WorkerRecord
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def redis():
+    with redis_url() as url:
+        yield url
+
+
+def record(i: int, model: str = "m") -> WorkerRecord:
+    return WorkerRecord(f"w{i}", "worker", model, f"127.0.0.1:{5000 + i}", capacity=8)
+
+
+@pytest.mark.parametrize("kind", ["redis", "memory"])
+def test_records_expire_without_heartbeats(redis, kind):
+    async def main():
+        reg = RedisRegistry(redis, prefix=f"t-{uuid.uuid4().hex[:8]}", ttl_s=1.0) if kind == "redis" \
+            else MemoryRegistry(ttl_s=1.0)
+        try:
+            await reg.put(record(1))
+            await reg.put(record(2, model="other"))
+            assert [r.worker_id for r in await reg.list("m")] == ["w1"]
+            assert len(await reg.list()) == 2
+            await asyncio.sleep(0.6)
+            await reg.put(record(1))          # a heartbeat keeps w1
+            await asyncio.sleep(0.6)
+            assert [r.worker_id for r in await reg.list()] == ["w1"]
+            await reg.remove("w1")
+            assert await reg.list() == []
+        finally:
+            await reg.close()
+    asyncio.run(main())
+
+
+def test_redis_outage_is_an_error_the_caller_can_survive():
+    from tessera.registry import RegistryUnavailable
+    async def main():
+        reg = RedisRegistry(f"redis://127.0.0.1:{free_port()}/0")
+        with pytest.raises(RegistryUnavailable):
+            await reg.list()
+        await reg.close()
+    asyncio.run(main())
+
+
+@contextlib.contextmanager
+def gateway(registry: str, prefix: str):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        try:
+            return httpx.get(url + "/health", timeout=30).status_code == 200
+        except httpx.HTTPError:
+            return False
+    with _process(["gateway", "--port", str(port), "--registry", registry, "--registry-prefix", prefix,
+                   "--wait-s", "120"], healthy, 180):
+        yield url
+
+
+async def stream_text(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> tuple[str, list]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    text, events = "", []
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(line)
+                import json
+                data = json.loads(line[6:])
+                assert "error" not in data, data
+                text += data["choices"][0]["text"]
+    return text, events
+
+
+def test_sigkill_a_worker_with_8_streams_in_flight(redis, tiny_models):
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    args = ("--model", tiny_models["llama"], "--dtype", "float32", "--threads", "1",
+            "--registry", redis, "--registry-prefix", prefix)
+    prompts = [f"request {i} says" for i in range(8)]
+    with contextlib.ExitStack() as stack:
+        workers = [stack.enter_context(tessera_grpc("worker", *args)) for _ in range(2)]
+        url = stack.enter_context(gateway(redis, prefix))
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+
+        async def run(kill_after_s: float | None):
+            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+                tasks = [asyncio.create_task(stream_text(client, model, p, 300)) for p in prompts]
+                if kill_after_s is not None:
+                    await asyncio.sleep(kill_after_s)
+                    workers[0][1].send_signal(signal.SIGKILL)
+                    killed_at = time.monotonic()
+                done = await asyncio.gather(*tasks)
+                return [t for t, _ in done], (time.monotonic() - killed_at if kill_after_s else 0)
+
+        expected, _ = asyncio.run(run(None))
+        texts, after_kill = asyncio.run(run(1.0))
+        assert texts == expected          # every stream completed, token for token
+        assert after_kill < 30
+
+        async def registered():
+            reg = RedisRegistry(redis, prefix=prefix)
+            try:
+                return [r.address for r in await reg.list()]
+            finally:
+                await reg.close()
+        deadline = time.monotonic() + 5
+        while workers[0][0] in asyncio.run(registered()):
+            assert time.monotonic() < deadline, "the dead worker is still registered after 5 s"
+            time.sleep(0.2)
+        metrics = httpx.get(url + "/metrics").text
+        failovers = [line for line in metrics.splitlines() if line.startswith("tessera_gateway_failovers_total")]
+        assert failovers and float(failovers[0].split()[-1]) >= 1, failovers   # streams did move
+        assert httpx.post(url + "/v1/completions", json={"model": model, "prompt": "again", "max_tokens": 4}
+                          ).status_code == 200
+        assert 'tessera_gateway_workers{model_name="' in metrics
