@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-dev serve test bench
+.PHONY: setup setup-dev serve test bench render
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,3 +23,9 @@ serve: setup
 
 test: setup-dev
 	$(BIN)/python -m pytest -q tests
+
+# Compose and Kubernetes files are generated from the topology files (tests check they match).
+render: setup
+	for f in deploy/topologies/*.yaml; do n=$$(basename $$f .yaml); \
+	  $(BIN)/tessera render $$f --target compose --out deploy/compose/$$n.yaml; \
+	  $(BIN)/tessera render $$f --target k8s --out deploy/k8s/$$n/tessera.yaml; done

@@ -1,4 +1,4 @@
-"""`tessera` command line: serve | up | worker | attention-node | expert-node | gateway |
+"""`tessera` command line: serve | up | render | probe | keys add | worker | attention-node | expert-node | gateway |
 model init-random | bench engine | bench serve | bench m2n | bench afd | profile | plan afd."""
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -63,7 +64,8 @@ def cmd_attention_node(a: argparse.Namespace) -> int:
     from tessera.rpc.expert_client import GrpcExpertControl
     config = engine_config(a)
     afd = AfdConfig(name=a.name, expert_nodes=tuple(a.expert), transport=a.transport,
-                    micro_batches=a.micro_batches, timeout_s=a.ffn_timeout_s)
+                    micro_batches=a.micro_batches, timeout_s=a.ffn_timeout_s,
+                    transport_advertise=a.transport_advertise)
     controls = [GrpcExpertControl(address) for address in afd.expert_nodes]
     asyncio.run(serve(config, a.host, a.port, build=lambda: build_attention_engine(config, afd, controls),
                       role="attention", registration=_registration(a)))
@@ -75,7 +77,8 @@ def cmd_expert_node(a: argparse.Namespace) -> int:
     if a.threads:
         import torch
         torch.set_num_threads(a.threads)
-    node = load_expert_node(a.model, a.dtype, a.name, a.shard_index, a.shard_count, a.transport)
+    node = load_expert_node(a.model, a.dtype, a.name, a.shard_index, a.shard_count, a.transport,
+                            advertise=a.transport_advertise)
     serve(node, a.host, a.port)
     return 0
 
@@ -101,9 +104,35 @@ def cmd_gateway(a: argparse.Namespace) -> int:
         model = asyncio.run(_wait_for_worker(workers[0], a.wait_s)).model_id
         client = GrpcWorkerClient(workers[0]) if len(workers) == 1 else WorkerPool(GrpcWorkerClient, workers)
         source = ", ".join(workers)
-    app = create_app(client, a.served_model_name or model, background)
+    app = create_app(client, a.served_model_name or model, background, _admission(a))
     print(f"tessera gateway on http://{a.host}:{a.port} -> {source} ({model})", flush=True)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning", timeout_graceful_shutdown=5)
+    return 0
+
+
+def _admission(a: argparse.Namespace):
+    from tessera.entrypoints.gateway.admission import Admission, AdmissionConfig, digest
+    keys = [k for k in (a.api_key or []) + os.environ.get("TESSERA_API_KEYS", "").split(",") if k]
+    digests = tuple(digest(k) for k in keys) + tuple(a.api_key_sha256 or ())
+    config = AdmissionConfig(max_inflight=a.max_inflight, max_body_bytes=a.max_body_bytes,
+                             require_key=bool(digests) or a.api_keys_from_redis, key_digests=digests,
+                             rpm=a.rpm, tpm=a.tpm)
+    if a.api_keys_from_redis and not a.registry:
+        raise SystemExit("--api-keys-from-redis needs --registry (the Redis URL)")
+    return Admission(config, a.registry, a.registry_prefix)
+
+
+def cmd_keys_add(a: argparse.Namespace) -> int:
+    """Create an API key: its SHA-256 and limits go to Redis; the key is printed once."""
+    from tessera.entrypoints.gateway.admission import Admission, AdmissionConfig
+
+    async def add() -> str:
+        admission = Admission(AdmissionConfig(), a.registry, a.registry_prefix)
+        try:
+            return await admission.add_key(a.name, a.rpm, a.tpm)
+        finally:
+            await admission.close()
+    print(asyncio.run(add()))
     return 0
 
 
@@ -164,6 +193,38 @@ def cmd_up(a: argparse.Namespace) -> int:
     return up(Topology.load(a.file).with_overrides(port=a.port, dtype=a.dtype))
 
 
+def cmd_render(a: argparse.Namespace) -> int:
+    from tessera.deploy.render import render
+    from tessera.deploy.topology import Topology
+    text = render(Topology.load(a.file), a.target, a.file)
+    if a.out:
+        pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(a.out).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def cmd_probe(a: argparse.Namespace) -> int:
+    """Exit 0 when TARGET is healthy: an http(s) URL answering 200, or a gRPC host:port whose
+    grpc.health.v1 says SERVING. For container healthchecks."""
+    if a.target.startswith(("http://", "https://")):
+        import httpx
+        try:
+            return 0 if httpx.get(a.target, timeout=a.timeout_s).status_code == 200 else 1
+        except httpx.HTTPError:
+            return 1
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    with grpc.insecure_channel(a.target) as channel:
+        try:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                                 timeout=a.timeout_s).status
+        except grpc.RpcError:
+            return 1
+    return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def cmd_init_random(a: argparse.Namespace) -> int:
     from tessera.models.random_init import write_random_model
     print(write_random_model(a.arch, a.out, seed=a.seed))
@@ -194,6 +255,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=None, help="gateway port (overrides the file)")
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"])
     p.set_defaults(fn=cmd_up)
+    keys = sub.add_parser("keys", help="API keys kept in Redis").add_subparsers(dest="keys_command", required=True)
+    p = keys.add_parser("add", help="create a key (printed once; Redis keeps its SHA-256 and limits)")
+    p.add_argument("name")
+    p.add_argument("--registry", default=os.environ.get("TESSERA_REGISTRY"), required=not os.environ.get("TESSERA_REGISTRY"))
+    p.add_argument("--registry-prefix", default="tessera")
+    p.add_argument("--rpm", type=int, default=0)
+    p.add_argument("--tpm", type=int, default=0)
+    p.set_defaults(fn=cmd_keys_add)
+    p = sub.add_parser("render", help="docker-compose or Kubernetes files from a topology file")
+    p.add_argument("file")
+    p.add_argument("--target", required=True, choices=["compose", "k8s"])
+    p.add_argument("--out", default=None, help="file to write (default: stdout)")
+    p.set_defaults(fn=cmd_render)
+    p = sub.add_parser("probe", help="health check for containers: exit 0 when TARGET is healthy")
+    p.add_argument("target", help="http(s)://... URL, or a gRPC host:port (grpc.health.v1)")
+    p.add_argument("--timeout-s", type=float, default=5.0)
+    p.set_defaults(fn=cmd_probe)
     p = sub.add_parser("worker", help="the gRPC worker process")
     _engine_args(p)
     p.add_argument("--host", default="127.0.0.1")
@@ -207,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="attention-0", help="endpoint name on the M2N transport")
     p.add_argument("--expert", action="append", required=True, help="expert node gRPC address, in shard order")
     p.add_argument("--transport", default="auto", choices=["auto", "nixl", "tcp"])
+    p.add_argument("--transport-advertise", default=None,
+                   help="host peers dial for the tcp transport (containers, pods); default loopback")
     p.add_argument("--micro-batches", type=int, default=2, help="ping-pong depth m (1: off)")
     p.add_argument("--ffn-timeout-s", type=float, default=10.0)
     _registry_args(p)
@@ -220,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-index", type=int, default=0)
     p.add_argument("--shard-count", type=int, default=1)
     p.add_argument("--transport", default="auto", choices=["auto", "nixl", "tcp"])
+    p.add_argument("--transport-advertise", default=None,
+                   help="host peers dial for the tcp transport (containers, pods); default loopback")
     p.add_argument("--threads", type=int, default=None)
     p.set_defaults(fn=cmd_expert_node)
     p = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
@@ -232,6 +314,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Redis URL: route to the workers registered there (default $TESSERA_REGISTRY)")
     p.add_argument("--registry-prefix", default="tessera")
     p.add_argument("--wait-s", type=float, default=300.0)
+    p.add_argument("--max-inflight", type=int, default=256, help="requests in flight before 503 + Retry-After")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="accepted API key (repeatable; kept only hashed); also $TESSERA_API_KEYS, comma-separated")
+    p.add_argument("--api-key-sha256", action="append", default=None, help="accepted key, as its SHA-256 hex")
+    p.add_argument("--api-keys-from-redis", action="store_true",
+                   help="also accept keys created by `tessera keys add` (in the registry's Redis)")
+    p.add_argument("--rpm", type=int, default=0, help="default requests per minute per key (0: none)")
+    p.add_argument("--tpm", type=int, default=0, help="default tokens per minute per key (0: none)")
     p.set_defaults(fn=cmd_gateway)
     model = sub.add_parser("model").add_subparsers(dest="model_command", required=True)
     p = model.add_parser("init-random", help="write a tiny random checkpoint (HF format)")
@@ -269,7 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=os.environ.get("TESSERA_LOG_LEVEL", "WARNING"))
+    from tessera import logs
+    logs.setup()
     args = build_parser().parse_args(argv)
     return args.fn(args)
 

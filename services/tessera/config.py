@@ -115,6 +115,7 @@ class AfdConfig:
     micro_batches: int = 2                    # ping-pong depth m; 1 turns the pipeline off
     timeout_s: float = 10.0                   # an expert reply later than this fails the step
     connect_wait_s: float = 300.0             # how long to wait for expert nodes at start-up
+    transport_advertise: str | None = None    # host the experts dial back (tcp), when not loopback
 
     def __post_init__(self) -> None:
         if not self.expert_nodes:

@@ -33,6 +33,13 @@ class GatewayMetrics:
         self._failovers = Counter("tessera_gateway_failovers", "Requests resumed on another worker",
                                   labels, registry=r)
         self._failovers_seen = 0
+        self._routed = Counter("tessera_gateway_routed_requests", "Requests (attempts) routed to each worker",
+                               ["model_name", "worker"], registry=r)
+        self._routed_seen: dict[str, int] = {}
+        self._inflight = Gauge("tessera_gateway_requests_inflight", "Requests admitted and not finished",
+                               labels, registry=r)
+        self._rejected = Gauge("tessera_gateway_rejected_requests", "Requests refused at admission, by status",
+                               ["model_name", "status"], registry=r)
         self.model_name = model_name
         self.ttft, self.itl, self.e2e = (h.labels(model_name) for h in (self._ttft, self._itl, self._e2e))
 
@@ -45,11 +52,18 @@ class GatewayMetrics:
     def count(self, status: int) -> None:
         self.requests.labels(self.model_name, str(status)).inc()
 
-    def render(self, info: WorkerInfo | None, pool=None) -> bytes:
-        if pool is not None:   # a WorkerPool: membership and failovers so far
+    def render(self, info: WorkerInfo | None, pool=None, admission=None) -> bytes:
+        if pool is not None:   # a WorkerPool: membership, routing decisions and failovers so far
             self._workers.labels(self.model_name).set(len(pool.members))
             self._failovers.labels(self.model_name).inc(pool.failovers - self._failovers_seen)
             self._failovers_seen = pool.failovers
+            for worker, n in list(pool.routed.items()):
+                self._routed.labels(self.model_name, worker).inc(n - self._routed_seen.get(worker, 0))
+                self._routed_seen[worker] = n
+        if admission is not None:
+            self._inflight.labels(self.model_name).set(admission.inflight)
+            for status, n in admission.rejected.items():
+                self._rejected.labels(self.model_name, status).set(n)
         if info is not None:
             m = self.model_name
             self._running.labels(m).set(info.num_running)

@@ -31,6 +31,7 @@ class WorkerPool:
         self.down_until: dict[str, float] = {}
         self._owner: dict[str, tuple[str, str]] = {}     # request id -> (address, attempt id)
         self.failovers = 0
+        self.routed: dict[str, int] = {}                  # attempts sent to each address
         self.set_members(list(addresses))
 
     def set_members(self, addresses: list[str]) -> None:
@@ -57,6 +58,7 @@ class WorkerPool:
         while (address := self._pick(tried)) is not None:
             tried.add(address)
             self.outstanding[address] += 1
+            self.routed[address] = self.routed.get(address, 0) + 1
             self._owner[request.request_id] = (address, attempt.request_id)
             try:
                 async for chunk in self.clients[address].generate(attempt):

@@ -1,17 +1,22 @@
 """The topology file: which roles run, how many replicas, on which ports, with which model,
-dtype and transport. `tessera up` turns it into processes here; compose and Kubernetes files
-are meant to be generated from the same `processes()` list.
+dtype and transport. It is the one source of truth: `tessera up` turns it into processes on
+this machine, and `tessera render` turns the very same process list into docker-compose and
+Kubernetes files (deploy/compose/, deploy/k8s/).
 
-    name: disagg-dense
+    name: single
     model: smollm2            # or random:ARCH, or a path
     dtype: auto
     transport: auto           # M2N backend for AFD roles
     roles:
-      expert_node:    {replicas: 2, port: 50071, threads: 1}
-      attention_node: {replicas: 1, port: 50061, micro_batches: 2}
-      gateway:        {replicas: 1, port: 8000}
+      redis:   {port: 6379}               # discovery: workers register, the gateway watches
+      worker:  {replicas: 2, port: 50051}
+      gateway: {replicas: 1, port: 8000}
 
-Replica i of a role listens on port + i. Roles start in dependency order (ROLE_ORDER).
+Replica i of a role listens on port + i (distinct ports, so every role can also run side by side
+on one host). With a `redis` role, workers and attention nodes register themselves and the
+gateway discovers them; without it the gateway gets a static --worker list. Roles start in
+dependency order (ROLE_ORDER). Where processes run (one host, compose services, Kubernetes
+pods) is a Placement: it says which address binds and how one reaches replica i of a role.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ import yaml
 
 from tessera.config import ConfigError
 
-ROLE_ORDER = ("worker", "expert_node", "attention_node", "gateway")
+ROLE_ORDER = ("redis", "worker", "expert_node", "attention_node", "gateway")
 ROLE_OPTIONS = {"replicas", "port", "threads", "micro_batches", "ffn_timeout_s"}
 HOST = "127.0.0.1"
 
@@ -34,8 +39,44 @@ class Role:
     port: int
     options: dict = field(default_factory=dict)
 
-    def address(self, i: int) -> str:
-        return f"{HOST}:{self.port + i}"
+    def service(self, i: int) -> str:
+        """The process (and compose service, Kubernetes Deployment) name of replica i."""
+        return f"{self.name.replace('_', '-')}-{i}"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the processes run. Local: every replica on this machine at 127.0.0.1:port+i.
+    Services (compose, Kubernetes): replica i is reachable by its service name."""
+    bind: str = HOST
+    by_service_name: bool = False
+    redis_url: str | None = None      # None: redis://<redis address>/0
+
+    def address(self, role: Role, i: int) -> str:
+        return f"{role.service(i) if self.by_service_name else HOST}:{role.port + i}"
+
+    def advertise(self, role: Role, i: int) -> str:
+        """The address a registering worker announces (Kubernetes: its pod IP)."""
+        return self.address(role, i)
+
+    def transport_host(self, role: Role, i: int) -> list[str]:
+        """Arguments telling an AFD node which host its M2N peers dial (none: loopback)."""
+        return ["--transport-advertise", role.service(i)] if self.by_service_name else []
+
+
+@dataclass(frozen=True)
+class PodPlacement(Placement):
+    """Kubernetes: replicas of a registering role are one Deployment; each pod announces its IP."""
+    def advertise(self, role: Role, i: int) -> str:
+        return f"$(POD_IP):{role.port + i}"
+
+    def transport_host(self, role: Role, i: int) -> list[str]:
+        return ["--transport-advertise", "$(POD_IP)"]   # transport ports are not behind Services
+
+
+LOCAL = Placement()
+SERVICES = Placement(bind="0.0.0.0", by_service_name=True)
+PODS = PodPlacement(bind="0.0.0.0", by_service_name=True)
 
 
 @dataclass(frozen=True)
@@ -43,7 +84,7 @@ class Process:
     name: str          # e.g. expert-node-1
     role: str
     port: int
-    argv: tuple[str, ...]   # arguments of the `tessera` command
+    argv: tuple[str, ...]   # the `tessera` command's arguments; for redis, redis-server's
 
 
 @dataclass(frozen=True)
@@ -70,6 +111,8 @@ class Topology:
             replicas, port = int(spec.pop("replicas", 1)), spec.pop("port", None)
             if replicas < 1 or port is None:
                 raise ConfigError(f"{path}: role {name} needs replicas >= 1 and a port")
+            if name == "redis" and replicas != 1:
+                raise ConfigError(f"{path}: the redis role has one replica")
             roles[name] = Role(name, replicas, int(port), spec)
         if "gateway" not in roles or not ({"worker", "attention_node"} & set(roles)):
             raise ConfigError(f"{path}: a topology needs a gateway and workers or attention nodes")
@@ -84,33 +127,52 @@ class Topology:
             roles["gateway"] = replace(roles["gateway"], port=port)
         return replace(self, roles=roles, dtype=dtype or self.dtype)
 
-    def processes(self) -> list[Process]:
+    @property
+    def registry(self) -> bool:
+        return "redis" in self.roles
+
+    @property
+    def registry_prefix(self) -> str:
+        """Keys of this deployment in Redis: several topologies may share one Redis."""
+        return f"tessera:{self.name}"
+
+    def redis_url(self, place: Placement) -> str:
+        return place.redis_url or f"redis://{place.address(self.roles['redis'], 0)}/0"
+
+    def processes(self, place: Placement = LOCAL) -> list[Process]:
         out = []
         for role_name in ROLE_ORDER:
             role = self.roles.get(role_name)
             for i in range(role.replicas if role else 0):
-                out.append(Process(f"{role_name.replace('_', '-')}-{i}", role_name, role.port + i,
-                                   tuple(self._argv(role, i))))
+                out.append(Process(role.service(i), role_name, role.port + i, tuple(self._argv(role, i, place))))
         return out
 
-    def _argv(self, role: Role, i: int) -> list[str]:
+    def _argv(self, role: Role, i: int, place: Placement) -> list[str]:
+        port = str(role.port + i)
+        if role.name == "redis":
+            return ["redis-server", "--port", port, "--save", "", "--appendonly", "no"]
         model = ["--model", self.model, "--dtype", self.dtype]
-        common = ["--host", HOST, "--port", str(role.port + i)]
+        common = ["--host", place.bind, "--port", port]
         threads = ["--threads", str(role.options["threads"])] if "threads" in role.options else []
+        register = (["--registry", self.redis_url(place), "--registry-prefix", self.registry_prefix,
+                     "--advertise", place.advertise(role, i)] if self.registry else [])
         if role.name == "worker":
-            return ["worker", *model, *common, *threads]
+            return ["worker", *model, *common, *threads, *register]
         if role.name == "expert_node":
-            n = role.replicas
             return ["expert-node", *model, *common, *threads, "--name", f"expert-{i}", "--shard-index", str(i),
-                    "--shard-count", str(n), "--transport", self.transport]
+                    "--shard-count", str(role.replicas), "--transport", self.transport,
+                    *place.transport_host(role, i)]
         if role.name == "attention_node":
             experts = self.roles["expert_node"]
             argv = ["attention-node", *model, *common, *threads, "--name", f"attention-{i}",
                     "--transport", self.transport,
-                    "--micro-batches", str(role.options.get("micro_batches", 2))]
+                    "--micro-batches", str(role.options.get("micro_batches", 2)), *register,
+                    *place.transport_host(role, i)]
             if "ffn_timeout_s" in role.options:
                 argv += ["--ffn-timeout-s", str(role.options["ffn_timeout_s"])]
-            return argv + [a for j in range(experts.replicas) for a in ("--expert", experts.address(j))]
+            return argv + [a for j in range(experts.replicas) for a in ("--expert", place.address(experts, j))]
+        argv = ["gateway", *common]
+        if self.registry:
+            return argv + ["--registry", self.redis_url(place), "--registry-prefix", self.registry_prefix]
         backends = self.roles.get("attention_node") or self.roles["worker"]
-        argv = ["gateway", "--host", HOST, "--port", str(role.port + i)]
-        return argv + [a for j in range(backends.replicas) for a in ("--worker", backends.address(j))]
+        return argv + [a for j in range(backends.replicas) for a in ("--worker", place.address(backends, j))]

@@ -36,7 +36,7 @@ def build_attention_engine(config: EngineConfig, afd: AfdConfig, controls: list[
         cfg = model.config   # a reply is at most one chunk of hidden states
         reply_bytes = config.scheduler.max_num_batched_tokens * cfg.hidden_size * 4
         transport = make_transport(backend, afd.name, slots=max(2, afd.micro_batches), timeout_s=afd.timeout_s,
-                                   capacity_bytes=max(8 << 20, reply_bytes))
+                                   capacity_bytes=max(8 << 20, reply_bytes), advertise=afd.transport_advertise)
     request = ConnectRequest(afd.name, backend, b"", model_id_for(config.model), model.config.num_layers)
     names = [_link(c, request, transport, i, len(controls), afd.connect_wait_s) for i, c in enumerate(controls)]
     by_name = dict(zip(names, controls))

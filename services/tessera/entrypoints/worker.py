@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from tessera import logs
 from tessera.async_engine import AsyncEngine
 from tessera.config import ConfigError, EngineConfig
 from tessera.engine import Engine
@@ -24,14 +26,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.engine = engine
 
     async def Generate(self, request, context):
+        metadata = dict(context.invocation_metadata() or ())
+        logs.request_id.set(metadata.get("x-request-id") or request.request_id)
+        t0, tokens, finish = time.monotonic(), 0, None
         try:
             req = convert.generate_request_from_proto(request)
+            logs.event(log, "generate", prompt_tokens=len(req.token_ids or ()), max_tokens=req.sampling.max_tokens)
             async for chunk in self.engine.generate(req):
+                tokens += len(chunk.token_ids)
+                finish = chunk.finish_reason or finish
                 yield convert.chunk_to_proto(chunk)
         except ConfigError as e:
             await context.abort(*convert.error_to_status(InvalidRequest(str(e))))
         except WorkerError as e:
+            logs.event(log, "generate failed", error=str(e))
             await context.abort(*convert.error_to_status(e))
+        finally:
+            logs.event(log, "generate done", completion_tokens=tokens, finish_reason=finish,
+                       duration_ms=round((time.monotonic() - t0) * 1000, 1))
 
     async def Abort(self, request, context):
         self.engine.abort(request.request_id)

@@ -18,13 +18,17 @@ def resolve_backend(backend: str) -> str:
 
 
 def make_transport(backend: str, name: str, slots: int = 2, host: str = "127.0.0.1",
-                   capacity_bytes: int = 8 << 20, timeout_s: float = 30.0):
-    """A process-to-process endpoint named `name` (the in-process twin is local.Fabric)."""
+                   capacity_bytes: int = 8 << 20, timeout_s: float = 30.0, advertise: str | None = None):
+    """A process-to-process endpoint named `name` (the in-process twin is local.Fabric).
+    advertise: the host peers dial (containers, pods); tcp then listens on every interface.
+    NIXL needs neither: its metadata carries UCX's own worker addresses."""
     backend = resolve_backend(backend)
     if backend == "nixl":
         from tessera.transport.nixl import NixlTransport
         return NixlTransport(name, slots=slots, capacity_bytes=capacity_bytes, timeout_s=timeout_s)
     from tessera.transport.tcp import TcpTransport
+    if advertise:
+        return TcpTransport(name, host="0.0.0.0", slots=slots, advertise=advertise)
     return TcpTransport(name, host=host, slots=slots)
 
 

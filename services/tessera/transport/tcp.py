@@ -20,7 +20,7 @@ _HELLO = struct.Struct("<H")           # length of the sender's name, then the n
 
 class TcpTransport:
     def __init__(self, name: str, host: str = "127.0.0.1", port: int = 0, slots: int = 2,
-                 peers: dict[str, tuple[str, int]] | None = None) -> None:
+                 peers: dict[str, tuple[str, int]] | None = None, advertise: str | None = None) -> None:
         self.name = name
         self.mailbox = Mailbox(slots)
         self.peers = dict(peers or {})
@@ -28,6 +28,7 @@ class TcpTransport:
         self._conns_lock = threading.Lock()
         self._server = socket.create_server((host, port))
         self.address = self._server.getsockname()[:2]
+        self.advertise = advertise or self.address[0]
         self.rejected = 0
         threading.Thread(target=self._accept, name=f"tcp-accept-{name}", daemon=True).start()
 
@@ -36,7 +37,7 @@ class TcpTransport:
 
     def metadata_for(self, peer: str) -> bytes:
         """What a peer needs to reach this endpoint: its listening address."""
-        return f"{self.address[0]}:{self.address[1]}".encode()
+        return f"{self.advertise}:{self.address[1]}".encode()
 
     def connect(self, peer: str, metadata: bytes) -> None:
         host, port = metadata.decode().rsplit(":", 1)

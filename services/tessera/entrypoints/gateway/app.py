@@ -1,13 +1,16 @@
 """OpenAI-compatible HTTP gateway (FastAPI) in front of one WorkerClient.
 
 Routes: GET /v1/models, POST /v1/chat/completions and /v1/completions (JSON or SSE),
-GET /health (deep: one token through the engine loop), GET /metrics (Prometheus).
-All OpenAI logic lives in tessera.openai_api; this module wires it to HTTP.
+GET /health (deep: one token through the engine loop), /health/live (the process answers),
+/health/ready (a worker answers), GET /metrics (Prometheus).
+All OpenAI logic lives in tessera.openai_api, admission (body size, API keys, rate limits,
+in-flight bound) in admission.py; this module wires them to HTTP.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 
@@ -16,7 +19,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from tessera import logs
 from tessera.config import SamplingParams
+from tessera.entrypoints.gateway.admission import Admission, AdmissionConfig, Ticket
 from tessera.entrypoints.gateway.responses import chat_body, completion_body
 from tessera.metrics import GatewayMetrics
 from tessera.openai_api.errors import APIError, error_body, error_response, validation_message
@@ -26,55 +31,86 @@ from tessera.openai_api.serving import StreamShape, collect, start, stream
 from tessera.worker_api import GenerateInput, WorkerClient, WorkerError, WorkerInfo
 
 HEALTH_TIMEOUT_S = 30.0
+READY_TIMEOUT_S = 2.0
+access_log = logging.getLogger("tessera.gateway")
 
 
-def create_app(client: WorkerClient, model_name: str, background=()) -> FastAPI:
+def create_app(client: WorkerClient, model_name: str, background=(), admission: Admission | None = None) -> FastAPI:
     """background: coroutine functions run while the app serves (e.g. following the registry)."""
+    admission = admission or Admission(AdmissionConfig())
+
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         tasks = [asyncio.create_task(job()) for job in background]
         yield
         for task in tasks:
             task.cancel()
+        await admission.close()
 
     app = FastAPI(title="Tessera", version="0.1.0", lifespan=lifespan)
     metrics = GatewayMetrics(model_name)
-    app.state.client, app.state.metrics = client, metrics
-    _add_middleware_and_errors(app, metrics)
-    _add_openai_routes(app, client, metrics, model_name)
-    _add_ops_routes(app, client, metrics)
+    app.state.client, app.state.metrics, app.state.admission = client, metrics, admission
+    _add_middleware_and_errors(app, metrics, admission)
+    _add_openai_routes(app, client, metrics, model_name, admission)
+    _add_ops_routes(app, client, metrics, admission)
     return app
 
 
 class RequestIdMiddleware:
     """Pure ASGI (not BaseHTTPMiddleware, whose wrapped receive channel can hand a streaming
-    response a spurious http.disconnect): reads or makes X-Request-Id, echoes it, and counts
-    /v1/ responses by status."""
+    response a spurious http.disconnect): reads or makes X-Request-Id, echoes it, counts /v1/
+    responses by status, writes one access-log line per request, and refuses bodies larger than
+    max_body_bytes with 413 (by Content-Length, or while a chunked body arrives)."""
 
-    def __init__(self, app, metrics: GatewayMetrics) -> None:
-        self.app, self.metrics = app, metrics
+    def __init__(self, app, metrics: GatewayMetrics, admission: Admission) -> None:
+        self.app, self.metrics, self.admission = app, metrics, admission
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        given = dict(scope.get("headers") or []).get(b"x-request-id", b"").decode("latin-1")
-        rid = given or uuid.uuid4().hex
+        headers = dict(scope.get("headers") or [])
+        rid = headers.get(b"x-request-id", b"").decode("latin-1")[:128] or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = rid
-        counted = scope.get("path", "").startswith("/v1/")
+        logs.request_id.set(rid)
+        path = scope.get("path", "")
+        counted, t0, status = path.startswith("/v1/"), time.monotonic(), [0]
+        limit = self.admission.config.max_body_bytes
 
         async def send_with_id(message) -> None:
             if message["type"] == "http.response.start":
+                status[0] = message["status"]
                 message = dict(message, headers=[*message.get("headers", []),
                                                  (b"x-request-id", rid.encode("latin-1"))])
                 if counted:
                     self.metrics.count(message["status"])
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        received = 0
+
+        async def receive_limited():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise self._too_large(limit)
+            return message
+
+        try:
+            if int(headers.get(b"content-length", b"0") or 0) > limit:
+                await error_response(self._too_large(limit))(scope, receive, send_with_id)
+            else:
+                await self.app(scope, receive_limited, send_with_id)
+        finally:
+            if counted:
+                logs.event(access_log, "request", method=scope.get("method"), path=path, status=status[0],
+                           duration_ms=round((time.monotonic() - t0) * 1000, 1))
+
+    def _too_large(self, limit: int) -> APIError:
+        return self.admission.reject(413, f"Request body larger than {limit} bytes.", "request_too_large")
 
 
-def _add_middleware_and_errors(app: FastAPI, metrics: GatewayMetrics) -> None:
-    app.add_middleware(RequestIdMiddleware, metrics=metrics)
+def _add_middleware_and_errors(app: FastAPI, metrics: GatewayMetrics, admission: Admission) -> None:
+    app.add_middleware(RequestIdMiddleware, metrics=metrics, admission=admission)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError):
@@ -95,7 +131,25 @@ def _add_middleware_and_errors(app: FastAPI, metrics: GatewayMetrics) -> None:
         return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
 
 
-def _add_openai_routes(app: FastAPI, client: WorkerClient, metrics: GatewayMetrics, model_name: str) -> None:
+class _Metered:
+    """The shared client as one admitted request sees it: counts the tokens it uses."""
+
+    def __init__(self, client: WorkerClient, ticket: Ticket) -> None:
+        self.client, self.ticket = client, ticket
+
+    async def generate(self, request: GenerateInput):
+        first = True
+        async for chunk in self.client.generate(request):
+            self.ticket.tokens += len(chunk.token_ids) + (chunk.prompt_tokens if first else 0)
+            first = False
+            yield chunk
+
+    async def abort(self, request_id: str) -> None:
+        await self.client.abort(request_id)
+
+
+def _add_openai_routes(app: FastAPI, client: WorkerClient, metrics: GatewayMetrics, model_name: str,
+                       admission: Admission) -> None:
     async def check_model(model: str) -> None:
         if model != model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
@@ -110,11 +164,9 @@ def _add_openai_routes(app: FastAPI, client: WorkerClient, metrics: GatewayMetri
         await check_model(body.model)
         rid = request.state.request_id
         inputs = chat_inputs(body, rid)
-        if body.stream:
-            shape = StreamShape(f"chatcmpl-{rid}", model_name, True, _usage(body), body.logprobs, body.n)
-            return await _sse(inputs, shape)
-        choices = await _until_disconnect(request, collect(client, inputs, metrics))
-        return chat_body(rid, model_name, choices, body.logprobs)
+        shape = StreamShape(f"chatcmpl-{rid}", model_name, True, _usage(body), body.logprobs, body.n)
+        choices = await _run(request, inputs, shape if body.stream else None)
+        return choices if body.stream else chat_body(rid, model_name, choices, body.logprobs)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -122,19 +174,55 @@ def _add_openai_routes(app: FastAPI, client: WorkerClient, metrics: GatewayMetri
         rid = request.state.request_id
         inputs = completion_inputs(body, rid)
         logprobs = body.logprobs is not None
+        shape = StreamShape(f"cmpl-{rid}", model_name, False, _usage(body), logprobs, body.n)
+        choices = await _run(request, inputs, shape if body.stream else None)
         if body.stream:
-            shape = StreamShape(f"cmpl-{rid}", model_name, False, _usage(body), logprobs, body.n)
-            return await _sse(inputs, shape)
-        choices = await _until_disconnect(request, collect(client, inputs, metrics))
+            return choices
         echo = [i.text or "" for i in inputs[::body.n]] if body.echo else None
         return completion_body(rid, model_name, choices, body.n, logprobs, echo)
 
-    async def _sse(inputs: list[GenerateInput], shape: StreamShape) -> StreamingResponse:
-        first, events = await start(client, inputs, metrics)
-        return StreamingResponse(stream(first, events, len(inputs), shape), media_type="text/event-stream")
+    async def _run(request: Request, inputs: list[GenerateInput], shape: StreamShape | None):
+        """Admit, then run to completion (choices) or start an SSE stream (StreamingResponse);
+        the admission ticket is released when the request ends, however it ends."""
+        ticket = await admission.admit(request.headers.get("authorization"))
+        metered = _Metered(client, ticket)
+        if shape is None:
+            try:
+                return await _until_disconnect(request, collect(metered, inputs, metrics))
+            finally:
+                ticket.release()
+        try:
+            first, events = await start(metered, inputs, metrics)
+        except BaseException:
+            ticket.release()
+            raise
+        return StreamingResponse(_released(stream(first, events, len(inputs), shape), ticket),
+                                 media_type="text/event-stream")
 
 
-def _add_ops_routes(app: FastAPI, client: WorkerClient, metrics: GatewayMetrics) -> None:
+async def _released(events, ticket: Ticket):
+    try:
+        async for event in events:
+            yield event
+    finally:
+        ticket.release()
+
+
+def _add_ops_routes(app: FastAPI, client: WorkerClient, metrics: GatewayMetrics, admission: Admission) -> None:
+    @app.get("/health/live")
+    async def live():
+        """Liveness: this process and its event loop answer (no worker involved)."""
+        return {"status": "ok"}
+
+    @app.get("/health/ready")
+    async def ready():
+        """Readiness: at least one worker answers, so a request routed here can be served."""
+        try:
+            await client.info(timeout_s=READY_TIMEOUT_S)
+        except (WorkerError, asyncio.TimeoutError) as e:
+            return JSONResponse({"status": "not ready", "error": str(e) or "timeout"}, status_code=503)
+        return {"status": "ready"}
+
     @app.get("/health")
     async def health():
         """Deep health: one greedy token through the worker's engine loop, with a deadline."""
@@ -154,7 +242,8 @@ def _add_ops_routes(app: FastAPI, client: WorkerClient, metrics: GatewayMetrics)
             info = await client.info()
         except WorkerError:
             pass
-        return Response(metrics.render(info, client if hasattr(client, "failovers") else None), media_type="text/plain; version=0.0.4")
+        pool = client if hasattr(client, "failovers") else None
+        return Response(metrics.render(info, pool, admission), media_type="text/plain; version=0.0.4")
 
 
 def _usage(body) -> bool:
