@@ -19,10 +19,10 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def _process(args: list[str], ready: Callable[[], bool], timeout_s: float):
+def _process(args: list[str], ready: Callable[[], bool], timeout_s: float, stderr=None):
     """`python -m tessera.cli ARGS` until ready() is true; terminated (then killed) on exit."""
     proc = subprocess.Popen([sys.executable, "-m", "tessera.cli", *args],
-                            env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+                            env=dict(os.environ, TOKENIZERS_PARALLELISM="false"), stderr=stderr)
     try:
         deadline = time.monotonic() + timeout_s
         while not ready():
@@ -57,7 +57,22 @@ def tessera_serve(*args: str, timeout_s: float = 180.0):
 
 
 @contextlib.contextmanager
-def tessera_grpc(command: str, *args: str, port: int | None = None, timeout_s: float = 180.0):
+def tessera_gateway(*args: str, timeout_s: float = 180.0):
+    """`tessera gateway ARGS` on a free port; yields (base URL, process) once /health/ready passes."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        try:
+            return httpx.get(url + "/health/ready", timeout=10).status_code == 200
+        except httpx.HTTPError:
+            return False
+    with _process(["gateway", "--port", str(port), "--wait-s", "120", *args], ready, timeout_s) as proc:
+        yield url, proc
+
+
+@contextlib.contextmanager
+def tessera_grpc(command: str, *args: str, port: int | None = None, timeout_s: float = 180.0, stderr=None):
     """`tessera COMMAND --port P ARGS` (a worker, attention node or expert node); yields
     (address, process) once grpc.health.v1 says SERVING."""
     import grpc
@@ -74,7 +89,7 @@ def tessera_grpc(command: str, *args: str, port: int | None = None, timeout_s: f
             return False
 
     try:
-        with _process([command, "--port", address.rsplit(":", 1)[1], *args], serving, timeout_s) as proc:
+        with _process([command, "--port", address.rsplit(":", 1)[1], *args], serving, timeout_s, stderr) as proc:
             yield address, proc
     finally:
         channel.close()
@@ -101,31 +116,53 @@ def tessera_up(topology: str, timeout_s: float = 240.0):
         yield url
 
 
+class RedisServer:
+    """A redis-server of our own on a fixed free port that a test can stop and start again."""
+
+    def __init__(self, tmp: str) -> None:
+        import shutil
+        self.server = shutil.which("redis-server")
+        if self.server is None:
+            raise RuntimeError("install redis-server")
+        self.port, self.tmp, self.proc = free_port(), tmp, None
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([self.server, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", self.tmp], stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:
+            with contextlib.closing(socket.socket()) as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError("redis-server did not start")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def redis_server():
+    """A RedisServer, started; stopped on exit."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        server = RedisServer(tmp)
+        server.start()
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
 @contextlib.contextmanager
 def redis_url():
     """$REDIS_URL when set, else a redis-server of our own on a free port (no persistence)."""
     if os.environ.get("REDIS_URL"):
         yield os.environ["REDIS_URL"]
         return
-    import shutil
-    import tempfile
-    server = shutil.which("redis-server")
-    if server is None:
-        raise RuntimeError("set REDIS_URL or install redis-server")
-    port = free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                 "--appendonly", "no", "--dir", tmp], stdout=subprocess.DEVNULL)
-        try:
-            deadline = time.monotonic() + 10
-            while True:
-                with contextlib.closing(socket.socket()) as s:
-                    if s.connect_ex(("127.0.0.1", port)) == 0:
-                        break
-                if time.monotonic() > deadline:
-                    raise TimeoutError("redis-server did not start")
-                time.sleep(0.1)
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            proc.terminate()
-            proc.wait(timeout=10)
+    with redis_server() as server:
+        yield server.url

@@ -85,21 +85,16 @@ class RequestIdMiddleware:
                     self.metrics.count(message["status"])
             await send(message)
 
-        received = 0
-
-        async def receive_limited():
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > limit:
-                raise self._too_large(limit)
-            return message
-
         try:
-            if int(headers.get(b"content-length", b"0") or 0) > limit:
+            length = headers.get(b"content-length")
+            if length is None and scope.get("method") in ("POST", "PUT", "PATCH"):
+                receive, too_large = await _buffer_body(receive, limit)   # chunked: read it first
+            else:
+                too_large = int(length or 0) > limit   # the server holds the body to its Content-Length
+            if too_large:
                 await error_response(self._too_large(limit))(scope, receive, send_with_id)
             else:
-                await self.app(scope, receive_limited, send_with_id)
+                await self.app(scope, receive, send_with_id)
         finally:
             if counted:
                 logs.event(access_log, "request", method=scope.get("method"), path=path, status=status[0],
@@ -107,6 +102,23 @@ class RequestIdMiddleware:
 
     def _too_large(self, limit: int) -> APIError:
         return self.admission.reject(413, f"Request body larger than {limit} bytes.", "request_too_large")
+
+
+async def _buffer_body(receive, limit: int):
+    """Read a body sent without Content-Length, up to limit bytes; return a receive() that
+    replays it, and whether it was larger than the limit."""
+    messages, size = [], 0
+    while True:
+        message = await receive()
+        messages.append(message)
+        size += len(message.get("body", b""))
+        if size > limit or message["type"] != "http.request" or not message.get("more_body"):
+            break
+    replay = iter(messages)
+
+    async def replayed():
+        return next(replay, None) or await receive()
+    return replayed, size > limit
 
 
 def _add_middleware_and_errors(app: FastAPI, metrics: GatewayMetrics, admission: Admission) -> None:
