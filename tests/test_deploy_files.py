@@ -1,0 +1,146 @@
+"""Compose and Kubernetes files, without a Docker engine or a cluster: they are exactly what
+`tessera render` makes of the topology files (one source of truth); the Kubernetes objects agree
+with the topology (image, commands, ports, probes, replicas); and every compose file's services
+run here as local processes (service names -> 127.0.0.1, each port moved to a free one), their
+own healthcheck commands pass, and a chat request through the gateway gets an answer."""
+from __future__ import annotations
+
+import contextlib
+import pathlib
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import yaml
+
+from servers import free_port
+from tessera.deploy.render import IMAGE, render
+from tessera.deploy.topology import Topology
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TOPOLOGIES = sorted((ROOT / "deploy" / "topologies").glob("*.yaml"))
+
+
+def _rel(path: pathlib.Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+@pytest.mark.parametrize("path", TOPOLOGIES, ids=lambda p: p.stem)
+def test_rendered_files_match_the_topology(path):
+    topology = Topology.load(path)
+    for target, out in (("compose", ROOT / "deploy/compose" / path.name),
+                        ("k8s", ROOT / "deploy/k8s" / path.stem / "tessera.yaml")):
+        assert out.exists(), f"{_rel(out)} missing: run `make render`"
+        assert out.read_text() == render(topology, target, _rel(path)), f"{_rel(out)} is stale: run `make render`"
+
+
+@pytest.mark.parametrize("path", TOPOLOGIES, ids=lambda p: p.stem)
+def test_kubernetes_objects_agree_with_the_topology(path):
+    topology = Topology.load(path)
+    docs = list(yaml.safe_load_all((ROOT / "deploy/k8s" / path.stem / "tessera.yaml").read_text()))
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    replicas = {}
+    for name, d in deployments.items():
+        spec = d["spec"]["template"]["spec"]
+        (container,) = spec["containers"]
+        args, port = container["args"], container["ports"][0]["containerPort"]
+        assert d["spec"]["selector"]["matchLabels"] == d["spec"]["template"]["metadata"]["labels"]
+        assert args[args.index("--port") + 1] == str(port)
+        assert container["resources"]["requests"]["cpu"] and container["resources"]["requests"]["memory"]
+        role = "redis" if container["image"].startswith("redis") else args[0].replace("-", "_")
+        replicas[role] = replicas.get(role, 0) + d["spec"]["replicas"]
+        if role == "redis":
+            continue
+        assert container["image"] == IMAGE and container["command"] == ["tessera"]
+        probes = [container[k] for k in ("livenessProbe", "readinessProbe", "startupProbe")]
+        if role == "gateway":
+            assert [p["httpGet"]["path"] for p in probes] == ["/health/live", "/health/ready", "/health/live"]
+            assert {p["httpGet"]["port"] for p in probes} == {port}
+        else:
+            assert {p["grpc"]["port"] for p in probes} == {port}
+        if any("$(POD_IP)" in a for a in args):
+            assert container["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        for a in args:   # every address it dials is a Service of this file, on that Service's port
+            for host, p in re.findall(r"([a-z][a-z0-9-]*-\d+):(\d+)", a):
+                assert int(p) in [x["port"] for x in services[host]["spec"]["ports"]], (name, a)
+    assert replicas == {role: r.replicas for role, r in topology.roles.items()}
+    for name, s in services.items():
+        assert s["spec"]["selector"] == deployments[name]["spec"]["selector"]["matchLabels"]
+
+
+class LocalCompose:
+    """A compose file's services as processes here: names -> 127.0.0.1, ports -> free ports."""
+
+    def __init__(self, path: pathlib.Path, tmp: pathlib.Path) -> None:
+        self.spec = yaml.safe_load(path.read_text())
+        self.services = self.spec["services"]
+        self.ports = {}
+        for s in self.services.values():
+            cmd = s["command"]
+            self.ports[cmd[cmd.index("--port") + 1]] = str(free_port())
+        self.tmp = tmp
+
+    def rewrite(self, args: list[str]) -> list[str]:
+        out = []
+        for i, a in enumerate(args):
+            if i and args[i - 1] in ("--port", "-p"):
+                a = self.ports[a]
+            elif a in self.services:
+                a = "127.0.0.1"
+            a = re.sub(r"([\w.-]+):(\d+)", lambda m: (f"127.0.0.1:{self.ports[m[2]]}" if m[2] in self.ports
+                                                      else m[0]), a)
+            out.append("127.0.0.1" if a == "0.0.0.0" else a)
+        return out
+
+    def argv(self, command: list[str]) -> list[str]:
+        command = self.rewrite(command)
+        return [sys.executable, "-m", "tessera.cli", *command[1:]] if command[0] == "tessera" else command
+
+    def healthy(self, service: dict) -> bool:
+        test = service["healthcheck"]["test"]
+        assert test[0] == "CMD"
+        return subprocess.run(self.argv(test[1:]), capture_output=True, timeout=30).returncode == 0
+
+    @contextlib.contextmanager
+    def up(self, timeout_s: float = 240):
+        procs = []
+        try:
+            for name, service in self.services.items():   # file order is dependency order
+                assert set(service.get("depends_on", {})) <= set(self.services)
+                procs.append(subprocess.Popen(self.argv(service["command"]), cwd=self.tmp,
+                                              stdout=subprocess.DEVNULL))
+            deadline = time.monotonic() + timeout_s
+            for (name, service), proc in zip(self.services.items(), procs):
+                while not self.healthy(service):
+                    assert proc.poll() is None, f"{name} exited with {proc.returncode}"
+                    assert time.monotonic() < deadline, f"{name} never passed its healthcheck"
+                    time.sleep(1)
+            (published,) = [s["ports"] for s in self.services.values() if "ports" in s]
+            yield f"http://127.0.0.1:{self.ports[published[0].split(':')[1]]}"
+        finally:
+            for p in reversed(procs):
+                p.terminate()
+            for p in procs:
+                try:
+                    p.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("path", sorted((ROOT / "deploy" / "compose").glob("*.yaml")), ids=lambda p: p.stem)
+def test_compose_services_run_as_local_processes(path, tmp_path):
+    compose = LocalCompose(path, tmp_path)
+    published = [s for s in compose.services.values() if "ports" in s]
+    assert len(published) == 1 and published[0]["command"][1] == "gateway"   # only the gateway's port
+    with compose.up() as url:
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "model": model, "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"]
