@@ -18,11 +18,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_range(n: int) -> int:
+    """A port p with p .. p + n - 1 all free (replica i listens on p + i)."""
+    while True:
+        p = free_port()
+        if p + n < 65535 and all(_is_free(p + i) for i in range(n)):
+            return p
+
+
+def _is_free(port: int) -> bool:
+    with contextlib.closing(socket.socket()) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
 @contextlib.contextmanager
-def _process(args: list[str], ready: Callable[[], bool], timeout_s: float, stderr=None):
+def _process(args: list[str], ready: Callable[[], bool], timeout_s: float, stderr=None, env=None):
     """`python -m tessera.cli ARGS` until ready() is true; terminated (then killed) on exit."""
     proc = subprocess.Popen([sys.executable, "-m", "tessera.cli", *args],
-                            env=dict(os.environ, TOKENIZERS_PARALLELISM="false"), stderr=stderr)
+                            env=dict(env or os.environ, TOKENIZERS_PARALLELISM="false"), stderr=stderr)
     try:
         deadline = time.monotonic() + timeout_s
         while not ready():
@@ -101,7 +118,7 @@ def tessera_worker(*args: str, timeout_s: float = 180.0):
 
 
 @contextlib.contextmanager
-def tessera_up(topology: str, timeout_s: float = 240.0):
+def tessera_up(topology: str, timeout_s: float = 240.0, env: dict | None = None):
     """`tessera up TOPOLOGY`; yields the gateway's base URL once /health passes."""
     import yaml
     url = f"http://127.0.0.1:{yaml.safe_load(open(topology))['roles']['gateway']['port']}"
@@ -112,7 +129,7 @@ def tessera_up(topology: str, timeout_s: float = 240.0):
         except httpx.HTTPError:
             return False
 
-    with _process(["up", topology], healthy, timeout_s):
+    with _process(["up", topology], healthy, timeout_s, env=env):
         yield url
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from servers import free_port, tessera_grpc, tessera_up
+from servers import free_port, free_port_range, tessera_grpc, tessera_up
 from tessera.async_engine import AsyncEngine
 from tessera.config import EngineConfig, SamplingParams
 from tessera.disagg.control import ConnectRequest
@@ -165,7 +165,7 @@ def test_tessera_up_dense_topology_answers_like_the_monolithic_engine(tmp_path, 
     spec = yaml.safe_load(open("deploy/topologies/disagg-dense.yaml"))
     spec["dtype"] = "float32"
     for role in spec["roles"].values():
-        role["port"] = free_port() if role["replicas"] == 1 else _free_range(role["replicas"])
+        role["port"] = free_port() if role["replicas"] == 1 else free_port_range(role["replicas"])
     topology = tmp_path / "dense.yaml"
     topology.write_text(yaml.safe_dump(spec))
     body = {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 12,
@@ -191,21 +191,3 @@ def test_tessera_up_dense_topology_answers_like_the_monolithic_engine(tmp_path, 
             async with httpx.AsyncClient(base_url=url, timeout=120) as c:
                 return await ask(c)
         assert asyncio.run(disaggregated()) == expected
-
-
-def _free_range(n: int) -> int:
-    """A port p with p .. p + n - 1 all free (replica i listens on p + i)."""
-    while True:
-        p = free_port()
-        if p + n < 65535 and all(_is_free(p + i) for i in range(n)):
-            return p
-
-
-def _is_free(port: int) -> bool:
-    import socket
-    with contextlib.closing(socket.socket()) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False

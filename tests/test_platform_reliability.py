@@ -90,6 +90,7 @@ def test_redis_down_for_10_s_under_load_fails_nothing(tiny_models):
         assert len(results) > 20
         failed = [r for r in results if r[0] != 200]
         assert not failed, failed[:3]
+        print(f"\n[figures] Redis down 10 s under 4 users: {len(results)} requests, {len(failed)} failed")
         deadline = time.monotonic() + 5
         while sorted(asyncio.run(registered(redis.url, prefix))) != sorted(a for a, _ in workers):
             assert time.monotonic() < deadline, "workers did not re-register within 5 s of Redis returning"
@@ -115,6 +116,9 @@ def test_overload_at_4x_capacity_for_20_s(tiny_models):
                 assert body["choices"][0]["finish_reason"] == "length"
                 assert body["usage"]["completion_tokens"] == 16
         growth = [a - b for a, b in zip(after, before)]
+        counts = {s: sum(1 for x, _ in results if x == s) for s in sorted(statuses)}
+        print(f"\n[figures] 4x overload 20 s: responses by status {counts}; RSS MB before {before} "
+              f"after {after}")
         assert max(growth) < 150, f"RSS grew by {growth} MB"
         metrics = httpx.get(url + "/metrics").text
         assert 'tessera_gateway_requests_inflight{model_name="' in metrics

@@ -129,6 +129,10 @@ def test_sigkill_a_worker_with_8_streams_in_flight(redis, tiny_models):
         metrics = httpx.get(url + "/metrics").text
         failovers = [line for line in metrics.splitlines() if line.startswith("tessera_gateway_failovers_total")]
         assert failovers and float(failovers[0].split()[-1]) >= 1, failovers   # streams did move
+        print(f"\n[figures] SIGKILL with 8 streams: 8/8 completed identical to an uninterrupted run, "
+              f"{float(failovers[0].split()[-1]):.0f} streams migrated, all done {after_kill:.1f} s after the kill; "
+              f"dead worker out of the registry {time.monotonic() - deadline + 5 - after_kill:.1f} s after all "
+              f"streams ended (TTL 3 s)")
         assert httpx.post(url + "/v1/completions", json={"model": model, "prompt": "again", "max_tokens": 4}
                           ).status_code == 200
         assert 'tessera_gateway_workers{model_name="' in metrics
