@@ -145,3 +145,12 @@ def test_liveness_does_not_need_a_worker_but_readiness_does():
     live, ready = run(app, ("GET", "/health/live", {}), ("GET", "/health/ready", {}))
     assert live.status_code == 200
     assert ready.status_code == 503 and ready.json()["status"] == "not ready"
+
+
+def test_worker_serves_its_own_prometheus_metrics(engine):
+    from tessera.metrics import serve_worker_metrics
+    port = free_port()
+    serve_worker_metrics(engine, "worker", port)
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio", "kv_cache_free_blocks"):
+        assert f'tessera_worker_{name}{{model_name="' in text, name

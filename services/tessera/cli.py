@@ -39,7 +39,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
 
 def cmd_worker(a: argparse.Namespace) -> int:
     from tessera.entrypoints.worker import serve
-    asyncio.run(serve(engine_config(a), a.host, a.port, registration=_registration(a)))
+    asyncio.run(serve(engine_config(a), a.host, a.port, registration=_registration(a), metrics_port=a.metrics_port))
     return 0
 
 
@@ -55,6 +55,7 @@ def _registry_args(p: argparse.ArgumentParser) -> None:
                    help="Redis URL to register in, with heartbeats (default $TESSERA_REGISTRY)")
     p.add_argument("--registry-prefix", default="tessera")
     p.add_argument("--advertise", default=None, help="address others reach this worker at (default host:port)")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this HTTP port")
 
 
 def cmd_attention_node(a: argparse.Namespace) -> int:
@@ -68,7 +69,7 @@ def cmd_attention_node(a: argparse.Namespace) -> int:
                     transport_advertise=a.transport_advertise)
     controls = [GrpcExpertControl(address) for address in afd.expert_nodes]
     asyncio.run(serve(config, a.host, a.port, build=lambda: build_attention_engine(config, afd, controls),
-                      role="attention", registration=_registration(a)))
+                      role="attention", registration=_registration(a), metrics_port=a.metrics_port))
     return 0
 
 

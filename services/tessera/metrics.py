@@ -9,6 +9,36 @@ from tessera.worker_api import GenerateChunk, WorkerInfo
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+class WorkerCollector:
+    """A worker's own Prometheus metrics (`--metrics-port`), read from the engine at scrape
+    time: queue depth, running batch, KV usage, plus the count of requests it has served."""
+
+    def __init__(self, engine, role: str) -> None:
+        self.engine, self.role = engine, role
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+        info = self.engine.info()
+        labels = ["model_name", "role"]
+        values = [info.model_id, self.role]
+        used = 1 - info.num_free_kv_blocks / info.num_kv_blocks if info.num_kv_blocks else 0.0
+        for name, doc, value in (("tessera_worker_num_requests_running", "Requests in the batch", info.num_running),
+                                 ("tessera_worker_num_requests_waiting", "Queue depth", info.num_waiting),
+                                 ("tessera_worker_kv_cache_usage_ratio", "Fraction of KV blocks in use", used),
+                                 ("tessera_worker_kv_cache_free_blocks", "Free KV blocks", info.num_free_kv_blocks)):
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            family.add_metric(values, value)
+            yield family
+
+
+def serve_worker_metrics(engine, role: str, port: int) -> None:
+    """Prometheus text on http://0.0.0.0:port/metrics (a thread of prometheus_client)."""
+    from prometheus_client import start_http_server
+    registry = CollectorRegistry()
+    registry.register(WorkerCollector(engine, role))
+    start_http_server(port, registry=registry)
+
+
 class GatewayMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()

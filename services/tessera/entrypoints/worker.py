@@ -64,10 +64,14 @@ async def _watch_health(engine: AsyncEngine, health_servicer: health.HealthServi
 
 
 async def serve(config: EngineConfig, host: str, port: int, build=None, role: str = "worker",
-                registration=None) -> None:
+                registration=None, metrics_port: int | None = None) -> None:
     """build() makes the engine (default: a monolithic one); an attention node passes its own.
-    registration = (redis url, key prefix, advertised address) registers it with heartbeats."""
+    registration = (redis url, key prefix, advertised address) registers it with heartbeats;
+    metrics_port serves the worker's Prometheus metrics over HTTP."""
     engine = AsyncEngine(build() if build is not None else Engine(config), role=role)
+    if metrics_port:
+        from tessera.metrics import serve_worker_metrics
+        serve_worker_metrics(engine, role, metrics_port)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine), server)
     health_servicer = health.HealthServicer()
