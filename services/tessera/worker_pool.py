@@ -76,9 +76,10 @@ class WorkerPool:
                     raise
                 self.down_until[address] = time.monotonic() + (DOWN_FOR_S if isinstance(e, Unavailable) else 0.5)
                 attempt = self._resume(request, prompt, generated, len(tried))
-                self.failovers += 1
-                log.warning("request %s: %s failed (%s); resuming on another worker", request.request_id,
-                            address, e)
+                if isinstance(e, Unavailable):   # a full queue is back-pressure, not a failover
+                    self.failovers += 1
+                    log.warning("request %s: %s failed (%s); resuming on another worker", request.request_id,
+                                address, e)
             finally:
                 self.outstanding[address] -= 1
                 self._owner.pop(request.request_id, None)
