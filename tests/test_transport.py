@@ -108,3 +108,43 @@ def test_tcp_malformed_frame_is_rejected_and_serving_continues():
     finally:
         a.close()
         e.close()
+
+
+def test_nixl_size_buckets_round_up_by_at_most_an_eighth():
+    for n in [1, 1000, 1025, 65536, 65537, 100_000, 3 << 20]:
+        b = nixl.size_bucket(n, 16 << 20)
+        assert n <= b <= max(1024, n + n // 8)
+    assert nixl.size_bucket(100, 512) == 512 and nixl.size_bucket(5 << 20, 4 << 20) == 4 << 20
+
+
+@pytest.mark.skipif(not nixl.available(), reason="nixl is not installed")
+def test_nixl_frees_ride_on_data_and_are_flushed_when_waiting():
+    """A released slot's credit travels in the next message to its sender (no notification of
+    its own); when no message comes first (the receiver waits on that sender), it is sent
+    alone, so a sender never waits on a credit forever. Handles are reused, not remade."""
+    eps = linked(lambda n, s: NixlTransport(n, slots=s, capacity_bytes=1 << 16, timeout_s=10))(["a", "e"], 1)
+    a, e = eps["a"], eps["e"]
+    e.flush_after_s = 60   # only the piggyback and the flush-on-wait paths, not the timer
+    standalone = []
+    real_notif = e.agent.send_notif
+    e.agent.send_notif = lambda dst, msg: (standalone.append(msg), real_notif(dst, msg))
+    try:
+        for step in range(4):   # one slot: each send needs the previous message released
+            a.send("e", Tag(step, 0, 0, DISPATCH), torch.full((64,), float(step)))
+            x = e.recv("a", Tag(step, 0, 0, DISPATCH)).clone()
+            e.release("a", Tag(step, 0, 0, DISPATCH))
+            e.send("a", Tag(step, 0, 0, COMBINE), x + 1)   # carries the free
+            assert torch.equal(a.recv("e", Tag(step, 0, 0, COMBINE)), torch.full((64,), step + 1.0))
+            a.release("e", Tag(step, 0, 0, COMBINE))
+        assert standalone == []
+        assert len(a._peers["e"].handles) == 1 and len(e._peers["a"].handles) == 1
+        # Now e releases and then waits on a before sending anything: the credit goes alone.
+        a.send("e", Tag(9, 0, 0, DISPATCH), torch.ones(64))
+        e.recv("a", Tag(9, 0, 0, DISPATCH))
+        e.release("a", Tag(9, 0, 0, DISPATCH))
+        threading.Timer(0.2, lambda: a.send("e", Tag(10, 0, 0, DISPATCH), torch.ones(64))).start()
+        assert torch.equal(e.recv("a", Tag(10, 0, 0, DISPATCH), timeout_s=5), torch.ones(64))
+        assert len(standalone) == 1
+    finally:
+        a.close()
+        e.close()

@@ -52,7 +52,9 @@ def _endpoint(backend: str, role: str, index: int, m: int, n: int, sizes: list[i
         buf = torch.ones(size, dtype=torch.uint8)
         times = []
         for it in range(iterations(size, iters) + 3):     # 3 warm-up rounds
-            out, back = Tag(step, 0, 0, DISPATCH), Tag(step, 0, 0, COMBINE)
+            # Consecutive iterations are consecutive micro-batches (slot it % 2), as in the
+            # ping-pong pipeline: a slot's free then has an iteration to come back.
+            out, back = Tag(step, it % 2, 0, DISPATCH), Tag(step, it % 2, 0, COMBINE)
             step += 1
             t0 = time.perf_counter()
             if role == "s":

@@ -21,6 +21,7 @@ import torch
 DISPATCH, COMBINE = 0, 1
 DTYPES = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16, 3: torch.int64, 4: torch.int32, 5: torch.uint8}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
+ELEMENT_SIZE = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in DTYPES.values()}
 HEADER = struct.Struct("<qiiBBBxQ")   # step, micro_batch, layer, direction, dtype, ndim, nbytes
 MAX_NDIM = 8
 
@@ -80,6 +81,18 @@ class _Slot:
         self.tag: Tag | None = None
         self.dtype = torch.float32
         self.shape: tuple[int, ...] = ()
+        self.views: dict[tuple[torch.dtype, tuple[int, ...]], torch.Tensor] = {}
+
+    def view(self) -> torch.Tensor:
+        """The held message as a tensor over the slot's buffer. Views are cached: building one
+        costs several torch calls, and a decode step sends the same shapes again and again."""
+        key = (self.dtype, self.shape)
+        view = self.views.get(key)
+        if view is None:
+            if len(self.views) >= 32:
+                self.views.clear()
+            view = self.views[key] = self.buffer[:_nbytes(*key)].view(self.dtype).view(self.shape)
+        return view
 
 
 class Mailbox:
@@ -99,6 +112,12 @@ class Mailbox:
         self._poll = poll
         self.closed = False
 
+    def _slot(self, key: tuple[str, int, int]) -> _Slot:
+        slot = self._slots.get(key)
+        if slot is None:   # a new slot allocates: never on the hot path
+            slot = self._slots[key] = _Slot()
+        return slot
+
     def _key(self, src: str, tag: Tag) -> tuple[str, int, int]:
         return src, tag.direction, tag.micro_batch % self.slots
 
@@ -109,13 +128,13 @@ class Mailbox:
         if nbytes != _nbytes(dtype, shape):
             raise TransportError(f"message {tag} from {src}: {nbytes} bytes for shape {shape} {dtype}")
         with self._cond:
-            slot = self._slots.setdefault(self._key(src, tag), _Slot())
+            slot = self._slot(self._key(src, tag))
             if not self._cond.wait_for(lambda: slot.tag is None or self.closed, timeout_s):
                 raise TransportError(f"slot for {tag} from {src} still busy after {timeout_s} s")
             # Slots are plain tensors whoever sends (a sender may run under inference_mode).
             with torch.inference_mode(False), torch.no_grad():
                 if slot.buffer.numel() < nbytes:
-                    slot.buffer = torch.empty(nbytes, dtype=torch.uint8)
+                    slot.buffer, slot.views = torch.empty(nbytes, dtype=torch.uint8), {}
                 slot.buffer[:nbytes].copy_(_as_uint8(payload))
             slot.tag, slot.dtype, slot.shape = tag, dtype, shape
             self._cond.notify_all()
@@ -135,7 +154,8 @@ class Mailbox:
     def attach(self, src: str, direction: int, index: int, buffer: torch.Tensor) -> None:
         """Use `buffer` (memory registered with a NIC) as one slot's storage."""
         with self._cond:
-            self._slots.setdefault((src, direction, index), _Slot()).buffer = buffer
+            slot = self._slot((src, direction, index))
+            slot.buffer, slot.views = buffer, {}
 
     def mark(self, src: str, tag: Tag, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         """A one-sided write already put the bytes into the slot's buffer: publish them."""
@@ -158,7 +178,7 @@ class Mailbox:
         an error reads the step number from it). With `expect`, any other tag is an error."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            slot = self._slots.setdefault((src, direction, micro_batch % self.slots), _Slot())
+            slot = self._slot((src, direction, micro_batch % self.slots))
             epoch = self._epochs.get(src, 0)
             while slot.tag is None and not self.closed and self._epochs.get(src, 0) == epoch:
                 remaining = deadline - time.monotonic()
@@ -177,7 +197,7 @@ class Mailbox:
                 raise TransportError("transport closed" if self.closed else f"link from {src} was reset")
             if expect is not None and slot.tag != expect:
                 raise TransportError(f"expected {expect} from {src}, slot holds {slot.tag}")
-            return slot.tag, slot.buffer[:_nbytes(slot.dtype, slot.shape)].view(slot.dtype).view(slot.shape)
+            return slot.tag, slot.view()
 
     def release(self, src: str, tag: Tag) -> None:
         with self._cond:
@@ -207,7 +227,10 @@ class Mailbox:
 
 
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    return int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+    n = ELEMENT_SIZE[dtype]
+    for d in shape:
+        n *= d
+    return n
 
 
 def backoff_s(idle_polls: int) -> float:
