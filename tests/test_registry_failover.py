@@ -13,7 +13,7 @@ import uuid
 import httpx
 import pytest
 
-from servers import _process, free_port, redis_url, tessera_grpc
+from servers import free_port, redis_url, tessera_gateway, tessera_grpc
 from tessera.registry import MemoryRegistry, RedisRegistry, WorkerRecord
 
 pytestmark = pytest.mark.e2e
@@ -60,21 +60,6 @@ def test_redis_outage_is_an_error_the_caller_can_survive():
     asyncio.run(main())
 
 
-@contextlib.contextmanager
-def gateway(registry: str, prefix: str):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        try:
-            return httpx.get(url + "/health", timeout=30).status_code == 200
-        except httpx.HTTPError:
-            return False
-    with _process(["gateway", "--port", str(port), "--registry", registry, "--registry-prefix", prefix,
-                   "--wait-s", "120"], healthy, 180):
-        yield url
-
-
 async def stream_text(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> tuple[str, list]:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True}
@@ -98,7 +83,7 @@ def test_sigkill_a_worker_with_8_streams_in_flight(redis, tiny_models):
     prompts = [f"request {i} says" for i in range(8)]
     with contextlib.ExitStack() as stack:
         workers = [stack.enter_context(tessera_grpc("worker", *args)) for _ in range(2)]
-        url = stack.enter_context(gateway(redis, prefix))
+        url, _ = stack.enter_context(tessera_gateway("--registry", redis, "--registry-prefix", prefix))
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
 
         async def run(kill_after_s: float | None):
