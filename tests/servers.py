@@ -57,19 +57,20 @@ def _process(args: list[str], ready: Callable[[], bool], timeout_s: float, stder
             proc.kill()
 
 
+def _http_ok(url: str, timeout_s: float) -> bool:
+    try:
+        return httpx.get(url, timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 @contextlib.contextmanager
 def tessera_serve(*args: str, timeout_s: float = 180.0):
     """`tessera serve ARGS` on free ports; yields the gateway's base URL once /health passes."""
     port, worker_port = free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        try:
-            return httpx.get(url + "/health", timeout=30).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    with _process(["serve", "--port", str(port), "--worker-port", str(worker_port), *args], healthy, timeout_s):
+    with _process(["serve", "--port", str(port), "--worker-port", str(worker_port), *args],
+                  lambda: _http_ok(url + "/health", 30), timeout_s):
         yield url
 
 
@@ -78,13 +79,8 @@ def tessera_gateway(*args: str, timeout_s: float = 180.0):
     """`tessera gateway ARGS` on a free port; yields (base URL, process) once /health/ready passes."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        try:
-            return httpx.get(url + "/health/ready", timeout=10).status_code == 200
-        except httpx.HTTPError:
-            return False
-    with _process(["gateway", "--port", str(port), "--wait-s", "120", *args], ready, timeout_s) as proc:
+    with _process(["gateway", "--port", str(port), "--wait-s", "120", *args],
+                  lambda: _http_ok(url + "/health/ready", 10), timeout_s) as proc:
         yield url, proc
 
 
@@ -122,14 +118,7 @@ def tessera_up(topology: str, timeout_s: float = 240.0, env: dict | None = None)
     """`tessera up TOPOLOGY`; yields the gateway's base URL once /health passes."""
     import yaml
     url = f"http://127.0.0.1:{yaml.safe_load(open(topology))['roles']['gateway']['port']}"
-
-    def healthy() -> bool:
-        try:
-            return httpx.get(url + "/health", timeout=30).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    with _process(["up", topology], healthy, timeout_s, env=env):
+    with _process(["up", topology], lambda: _http_ok(url + "/health", 30), timeout_s, env=env):
         yield url
 
 

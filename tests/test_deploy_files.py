@@ -19,6 +19,7 @@ import yaml
 from servers import free_port
 from tessera.deploy.render import IMAGE, render
 from tessera.deploy.topology import Topology
+from tessera.deploy.up import stop
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOPOLOGIES = sorted((ROOT / "deploy" / "topologies").glob("*.yaml"))
@@ -122,13 +123,7 @@ class LocalCompose:
             (published,) = [s["ports"] for s in self.services.values() if "ports" in s]
             yield f"http://127.0.0.1:{self.ports[published[0].split(':')[1]]}"
         finally:
-            for p in reversed(procs):
-                p.terminate()
-            for p in procs:
-                try:
-                    p.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            stop(procs, timeout_s=20)
 
 
 @pytest.mark.e2e

@@ -75,11 +75,17 @@ def supervise(procs: list[subprocess.Popen]) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
-        for p in reversed(procs):   # gateway first, Redis last: workers deregister on the way out
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(procs)
+
+
+def stop(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
+    """SIGTERM in reverse start order (gateway first, Redis last: workers deregister on the
+    way out), then SIGKILL whatever has not exited within timeout_s."""
+    for p in reversed(procs):
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
