@@ -148,3 +148,20 @@ def test_nixl_frees_ride_on_data_and_are_flushed_when_waiting():
     finally:
         a.close()
         e.close()
+
+
+@pytest.mark.skipif(not nixl.available(), reason="nixl is not installed")
+@pytest.mark.parametrize("mode", nixl.ERROR_MODES)
+def test_nixl_error_modes_both_deliver(mode):
+    """"none" (the default: UCX may use shared memory on one host) and "peer" (UCX's peer-
+    failure reporting, loopback TCP here) move the same bytes; anything else is refused."""
+    eps = linked(lambda n, s: NixlTransport(n, slots=s, capacity_bytes=1 << 20, error_mode=mode))(["a", "e"])
+    try:
+        x = torch.randn(300, 100)
+        eps["a"].send("e", Tag(0, 0, 0, DISPATCH), x)
+        assert torch.equal(eps["e"].recv("a", Tag(0, 0, 0, DISPATCH)), x)
+    finally:
+        for ep in eps.values():
+            ep.close()
+    with pytest.raises(ValueError, match="error mode"):
+        NixlTransport("bad", error_mode="abort")

@@ -16,6 +16,13 @@ The hot path is kept to a memmove into a registered staging slot and one post:
   notification goes out only when this endpoint starts waiting on that peer (then no message
   to it would come first) or after FLUSH_AFTER_S, so that nobody waits on a credit forever.
 
+UCX's error handling mode is "none" by default (TESSERA_NIXL_ERROR_MODE, or error_mode=):
+with "peer", UCX may use only transports that can report a failed peer, which on one host
+rules out its shared-memory ones (cma, posix) and leaves loopback TCP, at about twice the
+latency. A dead peer is still caught: every wait here has a deadline, the attention node's
+FFN timeout fails the step, and the gRPC control channel notices the node is gone. Across
+hosts UCX picks its network transports either way.
+
 Sends are asynchronous: a write is posted from its staging slot and its completion is checked
 only before that slot is reused. The agent runs without NIXL's progress thread (whose
 wake-ups cost ~16 ms per message here): whoever waits (a reader in recv, a sender waiting for
@@ -54,6 +61,7 @@ _META = struct.Struct("<QQII")        # agent metadata length, region address, s
 MAX_SLOTS = 8                         # 2 directions x 8 slots fit the 16-bit free mask
 HANDLES_PER_PEER = 128
 FLUSH_AFTER_S = 0.001
+ERROR_MODES = ("none", "peer")
 
 
 def available() -> bool:
@@ -84,13 +92,17 @@ class _Peer:
 
 class NixlTransport:
     def __init__(self, name: str, slots: int = 2, capacity_bytes: int = 8 << 20,
-                 timeout_s: float = 30.0) -> None:
+                 timeout_s: float = 30.0, error_mode: str | None = None) -> None:
         if not available():
             raise TransportError("the nixl package is not installed (pip install nixl-cu12)")
         if not 1 <= slots <= MAX_SLOTS:
             raise ValueError(f"nixl transport: slots must be within 1..{MAX_SLOTS}")
+        error_mode = error_mode or os.environ.get("TESSERA_NIXL_ERROR_MODE", "none")
+        if error_mode not in ERROR_MODES:
+            raise ValueError(f"nixl transport: error mode {error_mode!r} (choose from {', '.join(ERROR_MODES)})")
         self.name, self.slots, self.capacity, self.timeout_s = name, slots, capacity_bytes, timeout_s
-        self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+        self.agent.create_backend("UCX", {"ucx_error_handling_mode": error_mode})
         self._lock = threading.Lock()  # the agent is created without internal locking
         self.mailbox = Mailbox(slots, poll=self._progress)
         self._regions: dict[str, torch.Tensor] = {}
