@@ -9,11 +9,14 @@ import time
 import pytest
 import torch
 
-from tessera.config import CacheConfig, EngineConfig, SamplingParams
+from tessera.config import AfdConfig, CacheConfig, EngineConfig, SamplingParams
+from tessera.disagg.attention_node import build_attention_engine
+from tessera.disagg.control import LinkRefused, LocalExpertControl
+from tessera.disagg.expert_node import ExpertNode
 from tessera.disagg.attention_runner import AttentionRunner
-from tessera.disagg.expert_shard import CONTROL_LAYER, ExpertShard, ExpertWorker
+from tessera.disagg.expert_shard import CONTROL_LAYER, ExpertShard, ExpertWorker, expert_owners, parse_experts
 from tessera.engine import Engine
-from tessera.models.loader import load_model
+from tessera.models.loader import load_model, model_id_for
 from tessera.tokenizer import load_tokenizer
 from tessera.transport.base import COMBINE, DISPATCH, Tag
 from tessera.transport.local import Fabric
@@ -22,16 +25,17 @@ PROMPTS = [[1, 450, 3000, 17, 99, 4093], [2000, 5, 6, 7], [42, 42, 42, 31000, 12
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-def afd_engine(path: str, tokenizer, nodes: int, micro_batches: int):
+def afd_engine(path: str, tokenizer, nodes: int, micro_batches: int, placement=None):
+    """placement[j]: the experts node j holds (None: contiguous ranges)."""
     model, _ = load_model(path, torch.float32)
     fabric = Fabric(slots=max(2, micro_batches))
     attn = fabric.endpoint("attn-0")
     names = [f"expert-{i}" for i in range(nodes)]
-    workers = [ExpertWorker(ExpertShard.from_model(model, i, nodes), fabric.endpoint(n), ["attn-0"])
-               for i, n in enumerate(names)]
+    workers = [ExpertWorker(ExpertShard.from_model(model, i, nodes, placement[i] if placement else None),
+                            fabric.endpoint(n), ["attn-0"]) for i, n in enumerate(names)]
     cfg = EngineConfig(model=path, dtype="float32", cache=CacheConfig(block_size=4, num_blocks=128))
-    engine = Engine(cfg, model, tokenizer,
-                    make_runner=lambda m, nb, bs: AttentionRunner(m, nb, bs, attn, names, micro_batches))
+    engine = Engine(cfg, model, tokenizer, make_runner=lambda m, nb, bs: AttentionRunner(
+        m, nb, bs, attn, names, micro_batches, placement=placement))
     return engine, workers
 
 
@@ -80,6 +84,56 @@ def test_afd_logits_close_and_each_token_reaches_its_experts(tiny_models, tokeni
         engine.runner.stop_experts()
         for w in workers:
             w.join()
+
+
+@pytest.mark.parametrize("placement", [[(0, 2, 4, 6), (1, 3, 5, 7)], [(7, 1), (0, 2, 3, 4, 5, 6)]])
+def test_afd_expert_placement_is_configurable(tiny_models, tokenizer, placement):
+    """Experts in any (non-contiguous, uneven, unordered) sets: same greedy tokens, and each
+    node receives exactly the tokens routed to the experts it holds."""
+    path = tiny_models["mixtral"]
+    mono = Engine(EngineConfig(model=path, dtype="float32", cache=CacheConfig(block_size=4, num_blocks=128)),
+                  tokenizer=tokenizer)
+    expected = mono.generate(PROMPTS, GREEDY)
+    engine, workers = afd_engine(path, tokenizer, nodes=2, micro_batches=2, placement=placement)
+    try:
+        assert [w.shard.experts for w in workers] == placement
+        assert engine.generate(PROMPTS, GREEDY) == expected
+        assert engine.runner.tokens_out == sum(w.tokens_in for w in workers) > 0
+    finally:
+        engine.runner.stop_experts()
+        for w in workers:
+            w.join()
+
+
+@pytest.mark.parametrize("placement,error", [
+    ([(0, 1, 2, 3), (3, 4, 5, 6, 7)], "held by expert nodes 0 and 1"),
+    ([(0, 1, 2), (4, 5, 6, 7)], r"no expert node holds experts \[3\]"),
+    ([(0, 1, 2, 3), (4, 5, 6, 7, 8)], "model has 8"),
+])
+def test_bad_expert_placement_is_refused(placement, error):
+    with pytest.raises(ValueError, match=error):
+        expert_owners(placement, 8)
+
+
+def test_attention_node_refuses_overlapping_expert_sets(tiny_models):
+    """The attention node learns each expert node's set when it connects and refuses a
+    placement that sends a token's expert to two nodes (or to none)."""
+    path = tiny_models["mixtral"]
+    model, _ = load_model(path, torch.float32)
+    fabric = Fabric(2)
+    nodes = [ExpertNode(f"expert-{i}", ExpertShard.from_model(model, i, 2, experts), fabric.endpoint(f"expert-{i}"),
+                        "local", model_id_for(path), i, 2) for i, experts in enumerate([(0, 1, 2, 3, 4), (4, 5, 6, 7)])]
+    with pytest.raises(LinkRefused, match="expert 4 is held by expert nodes 0 and 1"):
+        build_attention_engine(EngineConfig(model=path, dtype="float32"), AfdConfig(expert_nodes=("e0", "e1")),
+                               [LocalExpertControl(n) for n in nodes], transport=fabric.endpoint("attention-0"))
+
+
+def test_expert_sets_parse_ids_and_ranges():
+    assert parse_experts("0-3,6") == (0, 1, 2, 3, 6)
+    assert parse_experts("7,1") == (7, 1)
+    for bad in ("", "a", "1,1", "3-x", "-2"):
+        with pytest.raises(ValueError):
+            parse_experts(bad)
 
 
 def test_afd_smollm2_dense_split_over_two_expert_nodes(smollm2_engine):

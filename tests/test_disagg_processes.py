@@ -39,10 +39,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 MOE = "random:mixtral"   # 8 experts, top-2, created once in the cache
 
 
-def expert_node(model: str, transport: str, index: int, count: int, port: int | None = None):
+def expert_node(model: str, transport: str, index: int, count: int, port: int | None = None,
+                experts: str | None = None):
     return tessera_grpc("expert-node", "--model", model, "--dtype", "float32", "--threads", "1",
                         "--name", f"expert-{index}", "--shard-index", str(index), "--shard-count", str(count),
-                        "--transport", transport, port=port)
+                        "--transport", transport, *(["--experts", experts] if experts else []), port=port)
 
 
 def attention_node(model: str, transport: str, index: int, m: int, experts: list[str], timeout_s: float = 10):
@@ -97,6 +98,23 @@ def test_afd_processes_equal_monolithic(reference, transport, model, experts):
             return await asyncio.gather(*(generate(a) for a in attention))
         for got in asyncio.run(both()):
             assert got == expected
+
+
+def test_afd_processes_with_interleaved_expert_sets(reference):
+    """--experts 0,2,4,6 / 1,3,5,7: each expert node reports its set, the attention node
+    routes by them, and the tokens equal the monolithic engine's."""
+    with contextlib.ExitStack() as stack:
+        nodes = [stack.enter_context(expert_node(MOE, "auto", i, 2, experts=spec))[0]
+                 for i, spec in enumerate(["0,2,4,6", "1,3,5,7"])]
+        attention = stack.enter_context(attention_node(MOE, "auto", 0, 2, nodes))[0]
+        assert asyncio.run(generate(attention)) == reference(MOE)
+        for address, held in zip(nodes, [(0, 2, 4, 6), (1, 3, 5, 7)]):
+            control = GrpcExpertControl(address)
+            try:
+                info = control.info()
+            finally:
+                control.close()
+            assert info.experts == held and info.tokens_in > 0
 
 
 def test_expert_death_fails_requests_in_bounded_time_then_recovers(reference):

@@ -30,7 +30,18 @@ def test_disagg_moe_expands_to_linked_processes():
     assert gateway.port == 9000 and gateway.argv.count("--worker") == 2
 
 
+def test_expert_sets_go_to_their_replicas(tmp_path):
+    spec = tmp_path / "t.yaml"
+    spec.write_text("model: random:mixtral\nroles: {gateway: {port: 1}, attention_node: {port: 2},"
+                    " expert_node: {port: 3, replicas: 2, experts: ['0,2,4,6', '1,3,5,7']}}")
+    argv = {p.name: p.argv for p in Topology.load(spec).processes()}
+    assert [argv[f"expert-node-{i}"][argv[f"expert-node-{i}"].index("--experts") + 1] for i in (0, 1)] == \
+        ["0,2,4,6", "1,3,5,7"]
+
+
 @pytest.mark.parametrize("text,error", [
+    ("roles: {gateway: {port: 1}, attention_node: {port: 2}, expert_node: {port: 3, replicas: 2, experts: ['0-7']}}",
+     "one expert set per expert_node replica"),
     ("roles: {gateway: {port: 1}, worker: {port: 2, colour: red}}", "unknown options"),
     ("roles: {gateway: {port: 1}, mystery: {port: 2}}", "unknown role"),
     ("roles: {gateway: {port: 1}, attention_node: {port: 2}}", "come together"),

@@ -78,8 +78,10 @@ def cmd_expert_node(a: argparse.Namespace) -> int:
     if a.threads:
         import torch
         torch.set_num_threads(a.threads)
+    from tessera.disagg.expert_shard import parse_experts
     node = load_expert_node(a.model, a.dtype, a.name, a.shard_index, a.shard_count, a.transport,
-                            advertise=a.transport_advertise)
+                            advertise=a.transport_advertise,
+                            experts=parse_experts(a.experts) if a.experts else None)
     serve(node, a.host, a.port)
     return 0
 
@@ -300,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="expert-0", help="endpoint name on the M2N transport")
     p.add_argument("--shard-index", type=int, default=0)
     p.add_argument("--shard-count", type=int, default=1)
+    p.add_argument("--experts", default=None,
+                   help="MoE experts this node holds, e.g. 0,2,4,6 or 0-3 (default: the shard's contiguous range)")
     p.add_argument("--transport", default="auto", choices=["auto", "nixl", "tcp"])
     p.add_argument("--transport-advertise", default=None,
                    help="host peers dial for the tcp transport (containers, pods); default loopback")

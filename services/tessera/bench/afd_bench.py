@@ -66,7 +66,8 @@ def _engine_config(a, threads: int):
 def _expert_process(a, port: int) -> subprocess.Popen:
     argv = [sys.executable, "-m", "tessera.cli", "expert-node", "--model", a.model, "--dtype", "float32",
             "--threads", "1", "--port", str(port), "--transport", a.transport]
-    return subprocess.Popen(argv, preexec_fn=lambda: os.sched_setaffinity(0, {1}))
+    # Its "ready" line goes to stderr: stdout carries only our --json.
+    return subprocess.Popen(argv, stdout=sys.stderr, preexec_fn=lambda: os.sched_setaffinity(0, {1}))
 
 
 def afd_row(a, m: int, address: str) -> dict:

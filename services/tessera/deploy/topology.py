@@ -12,7 +12,8 @@ Kubernetes files (deploy/compose/, deploy/k8s/).
       worker:  {replicas: 2, port: 50051}
       gateway: {replicas: 1, port: 8000}
 
-Replica i of a role listens on port + i (distinct ports, so every role can also run side by side
+An expert_node role may say which MoE experts each replica holds, e.g. `experts: ["0,2,4,6",
+"1,3,5,7"]` (default: contiguous ranges). Replica i of a role listens on port + i (distinct ports, so every role can also run side by side
 on one host). With a `redis` role, workers and attention nodes register themselves and the
 gateway discovers them; without it the gateway gets a static --worker list. Roles start in
 dependency order (ROLE_ORDER). Where processes run (one host, compose services, Kubernetes
@@ -28,7 +29,7 @@ import yaml
 from tessera.config import ConfigError
 
 ROLE_ORDER = ("redis", "worker", "expert_node", "attention_node", "gateway")
-ROLE_OPTIONS = {"replicas", "port", "threads", "micro_batches", "ffn_timeout_s"}
+ROLE_OPTIONS = {"replicas", "port", "threads", "micro_batches", "ffn_timeout_s", "experts"}
 HOST = "127.0.0.1"
 
 
@@ -113,6 +114,9 @@ class Topology:
                 raise ConfigError(f"{path}: role {name} needs replicas >= 1 and a port")
             if name == "redis" and replicas != 1:
                 raise ConfigError(f"{path}: the redis role has one replica")
+            if "experts" in spec and (name != "expert_node" or not isinstance(spec["experts"], list)
+                                      or len(spec["experts"]) != replicas):
+                raise ConfigError(f"{path}: 'experts' is a list with one expert set per expert_node replica")
             roles[name] = Role(name, replicas, int(port), spec)
         if "gateway" not in roles or not ({"worker", "attention_node"} & set(roles)):
             raise ConfigError(f"{path}: a topology needs a gateway and workers or attention nodes")
@@ -159,8 +163,9 @@ class Topology:
         if role.name == "worker":
             return ["worker", *model, *common, *threads, *register]
         if role.name == "expert_node":
+            experts = ["--experts", str(role.options["experts"][i])] if "experts" in role.options else []
             return ["expert-node", *model, *common, *threads, "--name", f"expert-{i}", "--shard-index", str(i),
-                    "--shard-count", str(role.replicas), "--transport", self.transport,
+                    "--shard-count", str(role.replicas), *experts, "--transport", self.transport,
                     *place.transport_host(role, i)]
         if role.name == "attention_node":
             experts = self.roles["expert_node"]

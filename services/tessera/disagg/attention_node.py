@@ -8,7 +8,8 @@ from dataclasses import replace
 
 from tessera.config import AfdConfig, EngineConfig
 from tessera.disagg.attention_runner import AttentionRunner
-from tessera.disagg.control import ConnectRequest, ExpertControl, LinkRefused
+from tessera.disagg.control import ConnectReply, ConnectRequest, ExpertControl, LinkRefused
+from tessera.disagg.expert_shard import expert_owners
 from tessera.engine import Engine, resolve_dtype
 from tessera.models.llama import CausalLM
 from tessera.models.loader import load_model, model_id_for
@@ -38,20 +39,31 @@ def build_attention_engine(config: EngineConfig, afd: AfdConfig, controls: list[
         transport = make_transport(backend, afd.name, slots=max(2, afd.micro_batches), timeout_s=afd.timeout_s,
                                    capacity_bytes=max(8 << 20, reply_bytes), advertise=afd.transport_advertise)
     request = ConnectRequest(afd.name, backend, b"", model_id_for(config.model), model.config.num_layers)
-    names = [_link(c, request, transport, i, len(controls), afd.connect_wait_s) for i, c in enumerate(controls)]
+    replies = [_link(c, request, transport, i, len(controls), afd.connect_wait_s) for i, c in enumerate(controls)]
+    names = [r.expert_node for r in replies]
+    placement = [r.experts for r in replies] if model.config.num_experts else None
+    if placement is not None:
+        try:
+            expert_owners(placement, model.config.num_experts)
+        except ValueError as e:
+            raise LinkRefused(f"expert placement: {e}") from None
     by_name = dict(zip(names, controls))
 
     def reconnect(node: str) -> None:
-        _link(by_name[node], request, transport, names.index(node), len(names), wait_s=0)
+        j = names.index(node)
+        reply = _link(by_name[node], request, transport, j, len(names), wait_s=0)
+        if placement is not None and reply.experts != placement[j]:   # a restart with another set
+            raise LinkRefused(f"expert node {node} came back holding experts {list(reply.experts)}, "
+                              f"not {list(placement[j])}")
 
     def make_runner(m, num_blocks, block_size):
         return AttentionRunner(m, num_blocks, block_size, transport, names, afd.micro_batches,
-                               afd.timeout_s, reconnect)
+                               afd.timeout_s, reconnect, placement)
     return Engine(config, model, make_runner=make_runner)
 
 
 def _link(control: ExpertControl, request: ConnectRequest, transport, index: int, count: int,
-          wait_s: float) -> str:
+          wait_s: float) -> ConnectReply:
     """Connect to one expert node (waiting while it starts) and link the transports."""
     deadline = time.monotonic() + wait_s
     while True:
@@ -67,5 +79,6 @@ def _link(control: ExpertControl, request: ConnectRequest, transport, index: int
         raise LinkRefused(f"expert node {reply.expert_node} holds shard {reply.shard_index}/"
                           f"{reply.shard_count}, expected {index}/{count}")
     transport.connect(reply.expert_node, reply.transport_metadata)
-    log.info("linked to expert node %s (shard %d/%d)", reply.expert_node, index, count)
-    return reply.expert_node
+    log.info("linked to expert node %s (shard %d/%d, experts %s)", reply.expert_node, index, count,
+             list(reply.experts) or "-")
+    return reply

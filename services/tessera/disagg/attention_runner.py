@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from tessera.batch import ForwardBatch, build_forward_batch
-from tessera.disagg.expert_shard import CONTROL_LAYER, split_range
+from tessera.disagg.expert_shard import CONTROL_LAYER, expert_owners, split_range
 from tessera.model_runner import ModelRunner
 from tessera.models.llama import CausalLM
 from tessera.scheduler import StepPlan
@@ -38,14 +38,19 @@ class _InFlight:
 class AttentionRunner(ModelRunner):
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, transport: Transport,
                  expert_nodes: list[str], micro_batches: int = 1, timeout_s: float = 30.0,
-                 reconnect: Callable[[str], None] | None = None) -> None:
+                 reconnect: Callable[[str], None] | None = None,
+                 placement: list[tuple[int, ...]] | None = None) -> None:
+        """placement[j]: the experts expert node j holds (default: contiguous ranges)."""
         super().__init__(model, num_blocks, block_size)
         if micro_batches < 1:
             raise ValueError("micro_batches must be >= 1")
         self.transport, self.expert_nodes = transport, expert_nodes
         self.micro_batches, self.timeout_s = micro_batches, timeout_s
         cfg = model.config
-        self.ranges = [split_range(cfg.num_experts, len(expert_nodes), i) for i in range(len(expert_nodes))]
+        if cfg.num_experts:
+            placement = placement or [tuple(range(*split_range(cfg.num_experts, len(expert_nodes), j)))
+                                      for j in range(len(expert_nodes))]
+            self.owner = expert_owners(placement, cfg.num_experts)   # expert id -> node index
         self.step = 0
         self.tokens_out = 0
         self.reconnect = reconnect
@@ -106,8 +111,9 @@ class AttentionRunner(ModelRunner):
         ids, weights = ffn.router(x)
         message = torch.cat([x.float(), ids.float(), weights.float()], dim=-1)
         selected = []
-        for node, (first, end) in zip(self.expert_nodes, self.ranges):
-            rows = ((ids >= first) & (ids < end)).any(dim=-1).nonzero().squeeze(1)
+        owners = self.owner[ids]   # [tokens, k]: the node of each chosen expert
+        for j, node in enumerate(self.expert_nodes):
+            rows = (owners == j).any(dim=-1).nonzero().squeeze(1)
             self.transport.send(node, tag, message[rows])
             self.tokens_out += int(rows.numel())
             selected.append(rows)

@@ -22,6 +22,7 @@ class ConnectReply:
     transport_metadata: bytes
     shard_index: int
     shard_count: int
+    experts: tuple[int, ...] = ()     # the MoE experts this node holds (empty: dense model)
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class ExpertInfo:
     compute_s: float = 0.0
     batches: int = 0
     uptime_s: float = 0.0
+    experts: tuple[int, ...] = ()
 
 
 class LinkRefused(RuntimeError):

@@ -31,13 +31,13 @@ class ExpertNode:
         self.worker.add_source(request.attention_node)
         if request.attention_node not in self.attention_nodes:
             self.attention_nodes.append(request.attention_node)
-        return ConnectReply(self.name, metadata, self.shard_index, self.shard_count)
+        return ConnectReply(self.name, metadata, self.shard_index, self.shard_count, self.shard.experts)
 
     def info(self) -> ExpertInfo:
         w = self.worker
         return ExpertInfo(self.name, self.model_id, self.shard_index, self.shard_count, self.transport_name,
                           w.tokens_in, w.rejected, tuple(self.attention_nodes), w.compute_s, w.batches,
-                          time.monotonic() - self.started)
+                          time.monotonic() - self.started, self.shard.experts)
 
     def close(self) -> None:
         self.worker.stop()

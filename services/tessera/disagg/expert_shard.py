@@ -1,8 +1,9 @@
 """An expert node's share of the model's FFNs, and the loop that serves attention nodes.
 
-For an MoE layer a shard owns experts [first, first + count) (contiguous by default); for a
-dense layer it owns columns [i0, i1) of the MLP's intermediate dimension, and the attention
-side adds the partial sums. A shard keeps no state between steps.
+For an MoE layer a shard owns a set of experts (a contiguous range by default, any set with
+--experts; the attention node learns each node's set when it connects); for a dense layer it
+owns columns [i0, i1) of the MLP's intermediate dimension, and the attention side adds the
+partial sums. A shard keeps no state between steps.
 
 Wire format of one FFN message (attention -> expert), float32 [n, H + 2k]: the normalized
 hidden states, then the token's k expert ids (small integers, exact in float32), then its k
@@ -33,6 +34,36 @@ def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
     return start, start + base + (index < extra)
 
 
+def parse_experts(spec: str) -> tuple[int, ...]:
+    """An expert set as written on the command line: "0-3,6" -> (0, 1, 2, 3, 6)."""
+    ids: list[int] = []
+    for part in spec.split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            raise ValueError(f"expert set {spec!r}: write ids and ranges like 0-3,6")
+        ids.extend(range(int(first), int(last or first) + 1))
+    if not ids or len(set(ids)) != len(ids):
+        raise ValueError(f"expert set {spec!r} is empty or names an expert twice")
+    return tuple(ids)
+
+
+def expert_owners(placement: list[tuple[int, ...]], num_experts: int) -> torch.Tensor:
+    """owner[e] = index of the node that holds expert e. Every expert must have exactly one
+    owner: a token routed to nobody would silently lose its FFN output."""
+    owner = torch.full((num_experts,), -1, dtype=torch.long)
+    for node, ids in enumerate(placement):
+        for e in ids:
+            if not 0 <= e < num_experts:
+                raise ValueError(f"expert node {node} holds expert {e}, but the model has {num_experts}")
+            if owner[e] >= 0:
+                raise ValueError(f"expert {e} is held by expert nodes {int(owner[e])} and {node}")
+            owner[e] = node
+    missing = (owner < 0).nonzero().flatten().tolist()
+    if missing:
+        raise ValueError(f"no expert node holds experts {missing}")
+    return owner
+
+
 class DenseSlice(nn.Module):
     """Columns [i0, i1) of a SwiGLU: down[:, i0:i1] (silu(gate[i0:i1] x) * up[i0:i1] x)."""
 
@@ -45,20 +76,29 @@ class DenseSlice(nn.Module):
 
 
 class ExpertShard:
-    def __init__(self, layers: list[nn.Module], hidden: int, top_k: int) -> None:
+    def __init__(self, layers: list[nn.Module], hidden: int, top_k: int, experts: tuple[int, ...] = ()) -> None:
         self.layers, self.hidden, self.top_k = layers, hidden, top_k
+        self.experts = experts   # the MoE experts held (empty for a dense model)
 
     @classmethod
-    def from_model(cls, model: CausalLM, index: int, count: int) -> "ExpertShard":
+    def from_model(cls, model: CausalLM, index: int, count: int,
+                   experts: tuple[int, ...] | None = None) -> "ExpertShard":
+        """Shard `index` of `count`; `experts` overrides which experts an MoE shard holds."""
         cfg = model.config
+        if cfg.num_experts:
+            experts = tuple(experts) if experts else tuple(range(*split_range(cfg.num_experts, count, index)))
+            if not all(0 <= e < cfg.num_experts for e in experts):
+                raise ValueError(f"expert set {experts} is outside the model's {cfg.num_experts} experts")
+        elif experts:
+            raise ValueError("--experts applies to MoE models; a dense model is split by shard index")
         layers: list[nn.Module] = []
         for layer in model.layers:
             ffn = layer.ffn
             if hasattr(ffn, "experts"):
-                first, end = split_range(cfg.num_experts, count, index)
-                shard = Experts(cfg.hidden_size, cfg.moe_intermediate_size, end - first, first)
-                shard.gate_up.data = ffn.experts.gate_up.data[first:end]
-                shard.down.data = ffn.experts.down.data[first:end]
+                shard = Experts(cfg.hidden_size, cfg.moe_intermediate_size, experts)
+                rows = list(experts)
+                shard.gate_up.data = ffn.experts.gate_up.data[rows]
+                shard.down.data = ffn.experts.down.data[rows]
                 layers.append(shard)
             else:
                 inter = cfg.intermediate_size
@@ -66,7 +106,7 @@ class ExpertShard:
                 w = ffn.mlp.gate_up_proj.weight.data
                 layers.append(DenseSlice(w[i0:i1], w[inter + i0:inter + i1],
                                          ffn.mlp.down_proj.weight.data[:, i0:i1]))
-        return cls(layers, cfg.hidden_size, cfg.num_experts_per_tok)
+        return cls(layers, cfg.hidden_size, cfg.num_experts_per_tok, experts or ())
 
     @torch.inference_mode()
     def compute(self, layer: int, message: torch.Tensor) -> torch.Tensor:

@@ -40,10 +40,11 @@ class ExpertNodeServicer(expert_pb2_grpc.ExpertNodeServicer):
 
 
 def load_expert_node(model: str, dtype: str, name: str, index: int, count: int, transport: str,
-                     timeout_s: float = 60.0, advertise: str | None = None) -> ExpertNode:
+                     timeout_s: float = 60.0, advertise: str | None = None,
+                     experts: tuple[int, ...] | None = None) -> ExpertNode:
     """Only this node's share of the FFN weights stays in memory."""
     full, _ = load_model(model, resolve_dtype(dtype))
-    shard = ExpertShard.from_model(full, index, count)
+    shard = ExpertShard.from_model(full, index, count, experts)
     del full
     backend = resolve_backend(transport)
     # Receive slots hold one dispatch: up to a scheduler chunk of tokens x (H + 2k) float32.

@@ -28,21 +28,24 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Experts first..first+count-1 of a layer, stacked: gate_up [E, 2I, H], down [E, H, I]."""
+    """Experts `ids` of a layer (all of them, or an expert node's share, in any order), stacked
+    in that order: gate_up [E, 2I, H], down [E, H, I]."""
 
-    def __init__(self, hidden: int, intermediate: int, count: int, first: int = 0) -> None:
+    def __init__(self, hidden: int, intermediate: int, ids) -> None:
         super().__init__()
-        self.first = first
-        self.gate_up = nn.Parameter(torch.empty(count, 2 * intermediate, hidden), requires_grad=False)
-        self.down = nn.Parameter(torch.empty(count, hidden, intermediate), requires_grad=False)
+        self.ids = tuple(int(i) for i in ids)
+        self.local = {expert: i for i, expert in enumerate(self.ids)}
+        self.gate_up = nn.Parameter(torch.empty(len(self.ids), 2 * intermediate, hidden), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(len(self.ids), hidden, intermediate), requires_grad=False)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Sum of w * expert(x) over each token's chosen experts that this module owns."""
+        """Sum of w * expert(x) over each token's chosen experts that this module holds."""
         out = torch.zeros_like(x)
-        local = ids - self.first
-        owned = (local >= 0) & (local < self.gate_up.shape[0])
-        for e in torch.unique(local[owned]).tolist():
-            token, slot = torch.where(local == e)
+        for expert in torch.unique(ids).tolist():
+            e = self.local.get(expert)
+            if e is None:
+                continue
+            token, slot = torch.where(ids == expert)
             gate, up = F.linear(x[token], self.gate_up[e]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.down[e])
             out.index_add_(0, token, y * weights[token, slot, None])

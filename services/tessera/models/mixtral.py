@@ -22,7 +22,7 @@ class MoEFFN(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.router = Router(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
                              cfg.norm_topk_prob)
-        self.experts = Experts(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts)
+        self.experts = Experts(cfg.hidden_size, cfg.moe_intermediate_size, range(cfg.num_experts))
         self.shared = None
         if cfg.shared_expert_intermediate_size:
             self.shared = SwiGLU(cfg.hidden_size, cfg.shared_expert_intermediate_size)

@@ -130,23 +130,23 @@ def connect_request_from_proto(m: expert_pb2.ConnectRequest) -> ConnectRequest:
 
 def connect_reply_to_proto(r: ConnectReply) -> expert_pb2.ConnectResponse:
     return expert_pb2.ConnectResponse(expert_node=r.expert_node, transport_metadata=r.transport_metadata,
-                                      shard_index=r.shard_index, shard_count=r.shard_count)
+                                      shard_index=r.shard_index, shard_count=r.shard_count, experts=r.experts)
 
 
 def connect_reply_from_proto(m: expert_pb2.ConnectResponse) -> ConnectReply:
-    return ConnectReply(m.expert_node, m.transport_metadata, m.shard_index, m.shard_count)
+    return ConnectReply(m.expert_node, m.transport_metadata, m.shard_index, m.shard_count, tuple(m.experts))
 
 
 def expert_info_to_proto(i: ExpertInfo) -> expert_pb2.ExpertInfoResponse:
     return expert_pb2.ExpertInfoResponse(
         expert_node=i.expert_node, model_id=i.model_id, shard_index=i.shard_index, shard_count=i.shard_count,
         transport=i.transport, tokens_in=i.tokens_in, rejected=i.rejected, attention_nodes=list(i.attention_nodes),
-        compute_s=i.compute_s, batches=i.batches, uptime_s=i.uptime_s)
+        compute_s=i.compute_s, batches=i.batches, uptime_s=i.uptime_s, experts=i.experts)
 
 
 def expert_info_from_proto(m: expert_pb2.ExpertInfoResponse) -> ExpertInfo:
     return ExpertInfo(m.expert_node, m.model_id, m.shard_index, m.shard_count, m.transport, m.tokens_in,
-                      m.rejected, tuple(m.attention_nodes), m.compute_s, m.batches, m.uptime_s)
+                      m.rejected, tuple(m.attention_nodes), m.compute_s, m.batches, m.uptime_s, tuple(m.experts))
 
 
 def link_error_from_status(code: grpc.StatusCode, details: str | None) -> Exception:
