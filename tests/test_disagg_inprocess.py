@@ -4,17 +4,19 @@ N in {1, 2} expert nodes and m in {1, 2, 3} micro-batches; every token is dispat
 layer to each node that owns one of its experts."""
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
 import torch
 
 from tessera.config import AfdConfig, CacheConfig, EngineConfig, SamplingParams
-from tessera.disagg.attention_node import build_attention_engine
+from tessera.disagg.attention_node import build_attention_engine, drop_ffn_weights
 from tessera.disagg.control import LinkRefused, LocalExpertControl
 from tessera.disagg.expert_node import ExpertNode
 from tessera.disagg.attention_runner import AttentionRunner
-from tessera.disagg.expert_shard import CONTROL_LAYER, ExpertShard, ExpertWorker, expert_owners, parse_experts
+from tessera.disagg.expert_shard import (CONTROL_LAYER, ExpertShard, ExpertWorker, expert_owners, keep_ffn_share,
+                                         parse_experts)
 from tessera.engine import Engine
 from tessera.models.loader import load_model, model_id_for
 from tessera.tokenizer import load_tokenizer
@@ -126,6 +128,28 @@ def test_attention_node_refuses_overlapping_expert_sets(tiny_models):
     with pytest.raises(LinkRefused, match="expert 4 is held by expert nodes 0 and 1"):
         build_attention_engine(EngineConfig(model=path, dtype="float32"), AfdConfig(expert_nodes=("e0", "e1")),
                                [LocalExpertControl(n) for n in nodes], transport=fabric.endpoint("attention-0"))
+
+
+def test_nodes_read_only_the_weights_they_hold(tiny_models, monkeypatch):
+    """An expert node reads its experts' tensors and nothing else; an attention node reads no
+    FFN expert tensor. The pruned shard equals the one cut from the whole model."""
+    from tessera.models import loader
+    path = tiny_models["mixtral"]
+    whole, cfg = load_model(path, torch.float32)
+    read, real = [], loader.iter_checkpoint
+
+    def spy(p):
+        for name, get in real(p):
+            yield name, lambda name=name, get=get: (read.append(name), get())[1]
+    monkeypatch.setattr(loader, "iter_checkpoint", spy)
+    pruned, _ = loader.load_model(path, torch.float32, prune=lambda m: keep_ffn_share(m, (5, 1)))
+    assert len(read) == cfg.num_layers * 2 * 3 and all(re.search(r"\.experts\.[15]\.", n) for n in read)
+    ours, ref = (ExpertShard.from_model(m, 0, 4, (5, 1)) for m in (pruned, whole))
+    for a, b in zip(ours.layers, ref.layers):
+        assert a.ids == (5, 1) and torch.equal(a.gate_up, b.gate_up) and torch.equal(a.down, b.down)
+    read.clear()
+    loader.load_model(path, torch.float32, prune=drop_ffn_weights)
+    assert read and not any(".experts." in n for n in read)
 
 
 def test_expert_sets_parse_ids_and_ranges():

@@ -56,7 +56,7 @@ def hf_dense_model(model_path: str, dtype: str):
                       rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings,
                       tie_word_embeddings=c.tie_word_embeddings)
     model = LlamaForCausalLM(cfg)
-    model.load_state_dict(dict(iter_checkpoint(path)), strict=False)
+    model.load_state_dict({name: read() for name, read in iter_checkpoint(path)}, strict=False)
     if c.tie_word_embeddings:
         model.tie_weights()
     return model.to(getattr(torch, dtype)).eval()

@@ -21,7 +21,7 @@ log = logging.getLogger("tessera.disagg.attention")
 
 def drop_ffn_weights(model: CausalLM) -> None:
     """The attention side keeps each FFN's norm, router and shared expert; the expert nodes
-    hold the rest. (The checkpoint is read whole and the rest freed: simple, costs load time.)"""
+    hold the rest. Called before loading, so those weights are never read here."""
     for layer in model.layers:
         for name in ("mlp", "experts"):
             if hasattr(layer.ffn, name):
@@ -30,8 +30,7 @@ def drop_ffn_weights(model: CausalLM) -> None:
 
 def build_attention_engine(config: EngineConfig, afd: AfdConfig, controls: list[ExpertControl],
                            transport=None) -> Engine:
-    model, _ = load_model(config.model, resolve_dtype(config.dtype))
-    drop_ffn_weights(model)
+    model, _ = load_model(config.model, resolve_dtype(config.dtype), prune=drop_ffn_weights)
     backend = resolve_backend(afd.transport) if transport is None else "local"
     if transport is None:
         cfg = model.config   # a reply is at most one chunk of hidden states

@@ -47,6 +47,35 @@ def parse_experts(spec: str) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def expert_set(cfg, index: int, count: int, experts: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """The MoE experts shard `index` of `count` holds: `experts` when given, else a contiguous
+    range; () for a dense model (its shards are column slices)."""
+    if not cfg.num_experts:
+        if experts:
+            raise ValueError("--experts applies to MoE models; a dense model is split by shard index")
+        return ()
+    experts = tuple(experts) if experts else tuple(range(*split_range(cfg.num_experts, count, index)))
+    if not all(0 <= e < cfg.num_experts for e in experts):
+        raise ValueError(f"expert set {list(experts)} is outside the model's {cfg.num_experts} experts")
+    return experts
+
+
+def keep_ffn_share(model: CausalLM, experts: tuple[int, ...]) -> None:
+    """Prune a model before loading to what an expert node holds: every layer's FFN weights
+    (for MoE layers only `experts`), no embedding, attention, norms, routers or LM head, so
+    the checkpoint's other tensors are never read."""
+    model.embed_tokens = model.norm = model.lm_head = None
+    for layer in model.layers:
+        layer.attn = None
+        ffn = layer.ffn
+        for name in ("norm", "router", "shared", "shared_gate"):
+            if getattr(ffn, name, None) is not None:
+                setattr(ffn, name, None)
+        if hasattr(ffn, "experts"):
+            dtype = ffn.experts.gate_up.dtype
+            ffn.experts = Experts(model.config.hidden_size, model.config.moe_intermediate_size, experts).to(dtype)
+
+
 def expert_owners(placement: list[tuple[int, ...]], num_experts: int) -> torch.Tensor:
     """owner[e] = index of the node that holds expert e. Every expert must have exactly one
     owner: a token routed to nobody would silently lose its FFN output."""
@@ -83,30 +112,28 @@ class ExpertShard:
     @classmethod
     def from_model(cls, model: CausalLM, index: int, count: int,
                    experts: tuple[int, ...] | None = None) -> "ExpertShard":
-        """Shard `index` of `count`; `experts` overrides which experts an MoE shard holds."""
+        """Shard `index` of `count` of a model (whole, or pruned by keep_ffn_share);
+        `experts` overrides which experts an MoE shard holds."""
         cfg = model.config
-        if cfg.num_experts:
-            experts = tuple(experts) if experts else tuple(range(*split_range(cfg.num_experts, count, index)))
-            if not all(0 <= e < cfg.num_experts for e in experts):
-                raise ValueError(f"expert set {experts} is outside the model's {cfg.num_experts} experts")
-        elif experts:
-            raise ValueError("--experts applies to MoE models; a dense model is split by shard index")
+        experts = expert_set(cfg, index, count, experts)
         layers: list[nn.Module] = []
         for layer in model.layers:
             ffn = layer.ffn
             if hasattr(ffn, "experts"):
-                shard = Experts(cfg.hidden_size, cfg.moe_intermediate_size, experts)
-                rows = list(experts)
-                shard.gate_up.data = ffn.experts.gate_up.data[rows]
-                shard.down.data = ffn.experts.down.data[rows]
-                layers.append(shard)
+                held = ffn.experts
+                if held.ids != experts:
+                    held = Experts(cfg.hidden_size, cfg.moe_intermediate_size, experts)
+                    rows = [ffn.experts.local[e] for e in experts]
+                    held.gate_up.data = ffn.experts.gate_up.data[rows]
+                    held.down.data = ffn.experts.down.data[rows]
+                layers.append(held)
             else:
                 inter = cfg.intermediate_size
                 i0, i1 = split_range(inter, count, index)
                 w = ffn.mlp.gate_up_proj.weight.data
                 layers.append(DenseSlice(w[i0:i1], w[inter + i0:inter + i1],
                                          ffn.mlp.down_proj.weight.data[:, i0:i1]))
-        return cls(layers, cfg.hidden_size, cfg.num_experts_per_tok, experts or ())
+        return cls(layers, cfg.hidden_size, cfg.num_experts_per_tok, experts)
 
     @torch.inference_mode()
     def compute(self, layer: int, message: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tessera.disagg.control import LinkRefused
 from tessera.disagg.expert_node import ExpertNode
-from tessera.disagg.expert_shard import ExpertShard
+from tessera.disagg.expert_shard import ExpertShard, expert_set, keep_ffn_share
 from tessera.engine import resolve_dtype
 from tessera.models.loader import load_model, model_id_for
 from tessera.rpc import convert
@@ -43,9 +43,11 @@ def load_expert_node(model: str, dtype: str, name: str, index: int, count: int, 
                      timeout_s: float = 60.0, advertise: str | None = None,
                      experts: tuple[int, ...] | None = None) -> ExpertNode:
     """Only this node's share of the FFN weights stays in memory."""
-    full, _ = load_model(model, resolve_dtype(dtype))
-    shard = ExpertShard.from_model(full, index, count, experts)
-    del full
+    def prune(m):
+        keep_ffn_share(m, expert_set(m.config, index, count, experts))
+    pruned, _ = load_model(model, resolve_dtype(dtype), prune=prune)
+    shard = ExpertShard.from_model(pruned, index, count, experts)
+    del pruned
     backend = resolve_backend(transport)
     # Receive slots hold one dispatch: up to a scheduler chunk of tokens x (H + 2k) float32.
     transport = make_transport(backend, name, slots=4, capacity_bytes=EXPERT_SLOT_BYTES,

@@ -3,9 +3,10 @@ and renamed to Hugging Face names. llama.cpp's converter permutes the rows of q 
 an interleaved RoPE layout; we undo that so that the same rotate-half RoPE applies."""
 from __future__ import annotations
 
+import functools
 import pathlib
 import re
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -56,17 +57,22 @@ def gguf_config(path: pathlib.Path, file: GGUFFile | None = None) -> ModelConfig
     )
 
 
-def iter_gguf_tensors(path: pathlib.Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_tensors(path: pathlib.Path) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """(HF name, read) per tensor; read() dequantizes it (and undoes llama.cpp's q/k permute)."""
     file = GGUFFile(str(path))
     cfg = gguf_config(path, file)
     for t in file.tensors:
         name = _hf_name(t.name)
-        tensor = torch.from_numpy(np.array(dequantize(t), dtype=np.float32))
-        if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
-            tensor = _unpermute(tensor, cfg.num_heads)
-        elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
-            tensor = _unpermute(tensor, cfg.num_kv_heads)
-        yield name, tensor
+        yield name, functools.partial(_read, t, name, cfg)
+
+
+def _read(t, name: str, cfg: ModelConfig) -> torch.Tensor:
+    tensor = torch.from_numpy(np.array(dequantize(t), dtype=np.float32))
+    if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+        tensor = _unpermute(tensor, cfg.num_heads)
+    elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+        tensor = _unpermute(tensor, cfg.num_kv_heads)
+    return tensor
 
 
 def _hf_name(name: str) -> str:

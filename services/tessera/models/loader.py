@@ -1,18 +1,18 @@
 """Checkpoint loading: Hugging Face directories (config.json + safetensors, sharded or not)
 and GGUF files (tensors dequantized with the gguf package, names mapped to HF names).
 
-Both paths produce (ModelConfig, named float tensors in HF naming); each model class maps
-those names onto its own (fused) parameters with weight_rules().
+Both paths produce (ModelConfig, named float tensors in HF naming, each read on demand); each
+model class maps those names onto its own (fused) parameters with weight_rules().
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
 import pathlib
-from typing import Iterator
+from typing import Callable, Iterator
 
-import contextlib
 import torch
 from torch import nn
 
@@ -84,7 +84,9 @@ def load_config(path: pathlib.Path) -> ModelConfig:
     return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
 
 
-def iter_checkpoint(path: pathlib.Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(path: pathlib.Path) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """(name, read) for every tensor of a checkpoint, in file order. read() loads (and for GGUF
+    dequantizes) the tensor, so a node that holds part of the model never reads the rest."""
     if path.suffix == ".gguf":
         from tessera.models.gguf_reader import iter_gguf_tensors
         yield from iter_gguf_tensors(path)
@@ -96,7 +98,7 @@ def iter_checkpoint(path: pathlib.Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, functools.partial(f.get_tensor, name)
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype) -> CausalLM:
@@ -123,26 +125,34 @@ def _no_init():
         nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
 
 
-def load_model(model: str, dtype: torch.dtype = torch.float32) -> tuple[CausalLM, ModelConfig]:
+def load_model(model: str, dtype: torch.dtype = torch.float32,
+               prune: Callable[[CausalLM], None] | None = None) -> tuple[CausalLM, ModelConfig]:
+    """The model with its checkpoint weights. prune(model), when given, removes (or shrinks)
+    the modules a node does not hold before anything is read: an attention node drops the
+    FFN weights, an expert node everything but its share, and their tensors are skipped unread."""
     path = resolve_model_path(model)
     cfg = load_config(path)
     net = build_model(cfg, dtype)
+    if prune is not None:
+        prune(net)
     load_weights(net, iter_checkpoint(path))
     return net, cfg
 
 
-def load_weights(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy every checkpoint tensor into its target view; fail if any parameter stays unset."""
+def load_weights(model: CausalLM, tensors: Iterator[tuple[str, Callable[[], torch.Tensor]]]) -> None:
+    """Copy every checkpoint tensor the model holds into its target view (reading only those);
+    fail if any parameter stays unset."""
     params = model.params
     rules = model.weight_rules()
     loaded = dict.fromkeys(params, 0)
     if model.config.tie_word_embeddings:
         params.pop("lm_head.weight", None)
-    for name, tensor in tensors:
+    for name, read in tensors:
         found = match_rules(params, name, rules)
         if found is None:
             continue
         param_name, target = found
+        tensor = read()
         if target.shape != tensor.shape:
             raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
         target.copy_(tensor)

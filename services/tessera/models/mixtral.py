@@ -37,9 +37,15 @@ class MoEFFN(nn.Module):
         return out
 
 
-def expert_view(first_row: int, size: int):
-    """A view into expert e's slice of a stacked [E, rows, cols] parameter (group 2 = e)."""
-    return lambda p, m: p[int(m.group(2))].narrow(0, first_row, size)
+def expert_view(model: CausalLM, first_row: int = 0, size: int | None = None):
+    """A view into expert e's part of layer l's stacked [E, rows, cols] parameter (groups 1, 2 =
+    l, e); None when this model does not hold expert e (an expert node holds a share)."""
+    def view(p: torch.Tensor, m) -> torch.Tensor | None:
+        e = model.layers[int(m.group(1))].ffn.experts.local.get(int(m.group(2)))
+        if e is None:
+            return None
+        return p[e] if size is None else p[e].narrow(0, first_row, size)
+    return view
 
 
 class MixtralForCausalLM(CausalLM):
@@ -51,9 +57,8 @@ class MixtralForCausalLM(CausalLM):
         moe = r"model\.layers\.(\d+)\.block_sparse_moe\."
         return super().weight_rules() + [
             (moe + r"gate\.weight", r"layers.\1.ffn.router.gate.weight", None),
-            (moe + r"experts\.(\d+)\.w1\.weight", r"layers.\1.ffn.experts.gate_up", expert_view(0, i)),
-            (moe + r"experts\.(\d+)\.w3\.weight", r"layers.\1.ffn.experts.gate_up", expert_view(i, i)),
-            (moe + r"experts\.(\d+)\.w2\.weight", r"layers.\1.ffn.experts.down",
-             lambda p, m: p[int(m.group(2))]),
+            (moe + r"experts\.(\d+)\.w1\.weight", r"layers.\1.ffn.experts.gate_up", expert_view(self, 0, i)),
+            (moe + r"experts\.(\d+)\.w3\.weight", r"layers.\1.ffn.experts.gate_up", expert_view(self, i, i)),
+            (moe + r"experts\.(\d+)\.w2\.weight", r"layers.\1.ffn.experts.down", expert_view(self)),
         ]
 
