@@ -45,6 +45,20 @@ def test_fit_recovers_a_line_and_profiles_round_trip(tmp_path):
     path.write_text(json.dumps(build_profile(rows, layers=4)))
     model = load_profile(path)
     assert model.t_a(10) == pytest.approx(1e-3) and model.t_e(0) == pytest.approx(2e-3)
+    assert model.t_a.slope == pytest.approx(1e-4) and model.t_e.intercept == pytest.approx(2e-3)
+
+
+def test_simulator_interpolates_measured_points_and_fits_outside_them(tmp_path):
+    """An MoE expert's time is concave in b at small b: between measured batches the model
+    follows the measurements, not the line through all of them."""
+    rows = [{"batch": b, "t_a_ms": 1.0, "t_e_ms": e, "t_c_ms": 0.1, "t_o_ms": 1.0}
+            for b, e in ((8, 10.0), (16, 16.0), (32, 17.0), (256, 40.0))]
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(build_profile(rows, layers=4)))
+    t_e = load_profile(path).t_e
+    assert t_e(16) == pytest.approx(16e-3) and t_e(24) == pytest.approx(16.5e-3)
+    assert t_e(512) == pytest.approx(t_e.fit(512)) and t_e(4) == pytest.approx(t_e.fit(4))
+    assert t_e.fit(16) < 14e-3   # the line alone would miss the measured 16 ms
 
 
 def test_algorithm1_plans_meet_every_constraint_and_balance():

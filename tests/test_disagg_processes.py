@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
 
@@ -209,3 +213,20 @@ def test_tessera_up_dense_topology_answers_like_the_monolithic_engine(tmp_path, 
             async with httpx.AsyncClient(base_url=url, timeout=120) as c:
                 return await ask(c)
         assert asyncio.run(disaggregated()) == expected
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="bench afd pins its two processes to cores 0 and 1")
+def test_bench_afd_json_rows_with_simulation():
+    """`tessera bench afd --json` prints only JSON: the monolithic row, one row per m, each
+    with the simulator's prediction from the m = 1 calibration runs (tiny model, few steps:
+    a check of the output, not of the speed)."""
+    out = subprocess.run([sys.executable, "-m", "tessera.cli", "bench", "afd", "--json", "--model", MOE,
+                          "--batch", "4", "--prompt-len", "4", "--steps", "3", "--micro-batches", "1,2"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads(out.stdout)
+    assert [r["mode"] for r in rows] == ["monolithic", "afd", "afd"]
+    assert [r["micro_batches"] for r in rows[1:]] == [1, 2]
+    for r in rows[1:]:
+        assert r["output_tok_s"] > 0 and r["t_e_ms"] > 0 and r["simulated_ms"] > 0
+        assert 0 <= r["attention_idle"] <= 1 and 0 <= r["expert_idle"] <= 1

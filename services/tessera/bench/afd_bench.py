@@ -7,10 +7,14 @@ measures decode throughput at a fixed batch (prefill excluded), the per-layer ti
 micro-batch) and T_c (one direction of communication for one micro-batch, derived from the
 attention side's wait: wait = 2 T_c + T_e per layer and micro-batch when nothing overlaps,
 so only the m = 1 row gives it), and each side's idle fraction. The monolithic engine runs
-the same decode with two threads on both cores. Every number here is measured.
+the same decode with two threads on both cores. Every number here is measured, except
+simulated_ms: the discrete-event simulator's prediction for each row, fed by m = 1 runs at
+each micro-batch size (B, B/2, B/3) measured right after the timed rows, or by --profile. (A
+profile taken minutes apart drifts by up to 20% on a shared VM; back to back it does not.)
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -28,7 +32,9 @@ def add_args(p) -> None:
     p.add_argument("--micro-batches", default="1,2,3")
     p.add_argument("--transport", default="auto", choices=["auto", "nixl", "tcp"])
     p.add_argument("--json", action="store_true")
-    p.add_argument("--profile", default=None, help="a `tessera profile` JSON: add the simulator's prediction")
+    p.add_argument("--profile", default=None,
+                   help="a `tessera profile` JSON for the simulator (default: calibrate here, m = 1 runs at "
+                        "each micro-batch size right after the timed rows)")
 
 
 def timed_decode(engine, batch: int, prompt_len: int, steps: int, probe=lambda: None):
@@ -89,6 +95,10 @@ def afd_row(a, m: int, address: str) -> dict:
     t_a = (attn1 - attn0) / max(1, batches)
     wait = (wait1 - wait0) / max(1, batches)
     runner.stop_experts()
+    # Close this configuration's endpoint: a transport left open keeps its progress thread
+    # polling on the attention core through every later measurement.
+    runner.transport.close()
+    control.close()
     return {"mode": "afd", "micro_batches": m, "output_tok_s": round(a.batch * a.steps / elapsed, 1),
             "iteration_ms": round(1e3 * elapsed / a.steps, 2), "layers": layers,
             "t_a_ms": round(1e3 * t_a, 3), "t_e_ms": round(1e3 * t_e, 3),
@@ -111,26 +121,31 @@ def main(a) -> int:
              "iteration_ms": round(1e3 * elapsed / a.steps, 2), "threads": 2}]
     del mono
     from tessera.bench.m2n_bench import _free_port
+    from tessera.disagg.profile import build_profile, load_profile, profile_model, profile_row
+    from tessera.disagg.simulator import simulate
     port = _free_port()
     expert = _expert_process(a, port)
+    micro_batches = [int(x) for x in a.micro_batches.split(",")]
     try:
         os.sched_setaffinity(0, {0})
         torch.set_num_threads(1)
         address = f"127.0.0.1:{port}"
-        for m in [int(x) for x in a.micro_batches.split(",")]:
+        for m in micro_batches:
             rows.append(afd_row(a, m, address))
             if not a.json:
                 print(rows[-1], flush=True)
+        if not a.profile:   # calibrate: m = 1 at every micro-batch size, right after the rows
+            measured = [profile_row(a.batch, r) for r in rows[1:] if r["micro_batches"] == 1]
+            sizes = sorted({-(-a.batch // m) for m in micro_batches} - {r["batch"] for r in measured})
+            measured += [profile_row(b, afd_row(argparse.Namespace(**{**vars(a), "batch": b}), 1, address))
+                         for b in sizes]
     finally:
         expert.terminate()
         expert.wait(timeout=20)
-    if a.profile:
-        from tessera.disagg.profile import load_profile
-        from tessera.disagg.simulator import simulate
-        model = load_profile(a.profile)
-        for r in rows[1:]:
-            r["simulated_ms"] = round(1e3 * simulate(model, a.batch, r["micro_batches"]), 2)
-            r["simulation_error"] = round(r["simulated_ms"] / r["iteration_ms"] - 1, 3)
+    model = load_profile(a.profile) if a.profile else profile_model(build_profile(measured, rows[1]["layers"]))
+    for r in rows[1:]:
+        r["simulated_ms"] = round(1e3 * simulate(model, a.batch, r["micro_batches"]), 2)
+        r["simulation_error"] = round(r["simulated_ms"] / r["iteration_ms"] - 1, 3)
     if a.json:
         print(json.dumps(rows, indent=1))
     else:

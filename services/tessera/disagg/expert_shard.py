@@ -21,6 +21,7 @@ from torch import nn
 
 from tessera.layers.moe import Experts
 from tessera.models.llama import CausalLM
+from tessera.models.model_config import ModelConfig
 from tessera.transport.base import COMBINE, DISPATCH, Tag, Transport, TransportError
 
 log = logging.getLogger("tessera.disagg.expert")
@@ -47,7 +48,7 @@ def parse_experts(spec: str) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def expert_set(cfg, index: int, count: int, experts: tuple[int, ...] | None = None) -> tuple[int, ...]:
+def expert_set(cfg: ModelConfig, index: int, count: int, experts: tuple[int, ...] | None = None) -> tuple[int, ...]:
     """The MoE experts shard `index` of `count` holds: `experts` when given, else a contiguous
     range; () for a dense model (its shards are column slices)."""
     if not cfg.num_experts:

@@ -13,7 +13,7 @@ import json
 import os
 import pathlib
 
-from tessera.disagg.simulator import Linear, StepModel
+from tessera.disagg.simulator import Linear, Measured, StepModel
 
 
 def fit(xs: list[float], ys: list[float]) -> Linear:
@@ -32,18 +32,30 @@ def build_profile(rows: list[dict], layers: int) -> dict:
             "fits": {k: {"slope_s_per_token": v.slope, "intercept_s": v.intercept} for k, v in fits.items()}}
 
 
+def profile_row(batch: int, row: dict) -> dict:
+    """A profile sample from an m = 1 `bench afd` row."""
+    return {"batch": batch, **{k: row[k] for k in ("t_a_ms", "t_e_ms", "t_c_ms", "t_o_ms", "iteration_ms", "layers")}}
+
+
 def load_profile(path: str | os.PathLike) -> StepModel:
-    data = json.loads(pathlib.Path(path).read_text())
-    f = {k: Linear(v["slope_s_per_token"], v["intercept_s"]) for k, v in data["fits"].items()}
+    return profile_model(json.loads(pathlib.Path(path).read_text()))
+
+
+def profile_model(data: dict) -> StepModel:
+    """The profile's times as functions of b: its measurements, interpolated, and its fits."""
+    samples = sorted(data.get("samples", []), key=lambda r: r["batch"])
+    f = {k: Measured(tuple((r["batch"], r[f"{k}_ms"] / 1e3) for r in samples),
+                     Linear(v["slope_s_per_token"], v["intercept_s"])) for k, v in data["fits"].items()}
     return StepModel(f["t_a"], f["t_e"], f["t_c"], f["t_o"], data["layers"])
 
 
 def add_args(p) -> None:
     from tessera.bench.afd_bench import BENCH_MODEL
     p.add_argument("--model", default=BENCH_MODEL)
-    p.add_argument("--batches", default="8,32,64,128,256")
+    p.add_argument("--batches", default="8,16,32,64,128,256")
     p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--steps", type=int, default=48, help="decode steps per batch size (as bench afd: "
+                   "the same context lengths)")
     p.add_argument("--transport", default="auto", choices=["auto", "nixl", "tcp"])
     p.add_argument("--out", default="afd-profile.json")
 
@@ -67,9 +79,7 @@ def main(a) -> int:
         for batch in [int(x) for x in a.batches.split(",")]:
             args = SimpleNamespace(model=a.model, batch=batch, prompt_len=a.prompt_len, steps=a.steps,
                                    transport=a.transport)
-            row = afd_row(args, 1, f"127.0.0.1:{port}")
-            rows.append({"batch": batch, **{k: row[k] for k in ("t_a_ms", "t_e_ms", "t_c_ms", "t_o_ms",
-                                                                   "iteration_ms", "layers")}})
+            rows.append(profile_row(batch, afd_row(args, 1, f"127.0.0.1:{port}")))
             print(rows[-1], flush=True)
     finally:
         expert.terminate()

@@ -4,11 +4,16 @@ Each attention node is one server that runs, for layer l and micro-batch i, the 
 half (T_a of b/m tokens) as soon as micro-batch i's layer l-1 reply is back, in the order our
 AttentionRunner uses; a dispatch reaches the expert nodes T_c later; each expert node is one
 server taking micro-batches first-come first-served (T_e); the reply is back T_c later. The
-step ends with T_o (embedding, final norm, LM head, sampling). Fed by a profile (linear fits
-T(b) = k*b + c), it predicts the iteration time of any (M, N, m, B).
+step ends with T_o (embedding, final norm, LM head, sampling). Fed by a profile, it predicts
+the iteration time of any (M, N, m, B): between the batch sizes the profile measured it
+interpolates those measurements, outside them it uses the linear fits T(b) = k*b + c of the
+paper's model (which the planner uses throughout). Interpolating matters for an MoE expert at
+small micro-batches: its time is far from linear there (a handful of tokens per expert costs
+about the expert's weight read).
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 from dataclasses import dataclass
 
@@ -24,11 +29,38 @@ class Linear:
 
 
 @dataclass(frozen=True)
+class Measured:
+    """T(b) through a profile's measured (b, seconds) points, piecewise linear; the linear fit
+    outside them. slope/intercept are the fit's (BALANCE and Algorithm 1 use them)."""
+    points: tuple[tuple[float, float], ...]   # sorted by b
+    fit: Linear
+
+    @property
+    def slope(self) -> float:
+        return self.fit.slope
+
+    @property
+    def intercept(self) -> float:
+        return self.fit.intercept
+
+    def __call__(self, b: float) -> float:
+        xs = [x for x, _ in self.points]
+        if not xs or b < xs[0] or b > xs[-1]:
+            return self.fit(b)
+        i = bisect.bisect_left(xs, b)
+        (x1, y1) = self.points[i]
+        if x1 == b or i == 0:
+            return y1
+        x0, y0 = self.points[i - 1]
+        return y0 + (y1 - y0) * (b - x0) / (x1 - x0)
+
+
+@dataclass(frozen=True)
 class StepModel:
-    t_a: Linear            # one attention half + dispatch, b tokens, one layer
-    t_e: Linear            # one expert node, b attention tokens of one micro-batch, one layer
-    t_c: Linear            # one direction of one micro-batch, by tokens
-    t_o: Linear            # per step, outside the layers
+    t_a: Linear | Measured  # one attention half + dispatch, b tokens, one layer
+    t_e: Linear | Measured  # one expert node, b attention tokens of one micro-batch, one layer
+    t_c: Linear | Measured  # one direction of one micro-batch, by tokens
+    t_o: Linear | Measured  # per step, outside the layers
     layers: int
 
 
