@@ -73,15 +73,26 @@ def cmd_attention_node(a: argparse.Namespace) -> int:
     return 0
 
 
+def _expert_set(spec: str) -> tuple[int, ...]:
+    """--experts as a usage error, not a traceback, when it does not parse."""
+    from tessera.disagg.expert_shard import parse_experts
+    try:
+        return parse_experts(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def cmd_expert_node(a: argparse.Namespace) -> int:
     from tessera.entrypoints.expert_node import load_expert_node, serve
     if a.threads:
         import torch
         torch.set_num_threads(a.threads)
-    from tessera.disagg.expert_shard import parse_experts
-    node = load_expert_node(a.model, a.dtype, a.name, a.shard_index, a.shard_count, a.transport,
-                            advertise=a.transport_advertise,
-                            experts=parse_experts(a.experts) if a.experts else None)
+    try:
+        node = load_expert_node(a.model, a.dtype, a.name, a.shard_index, a.shard_count, a.transport,
+                                advertise=a.transport_advertise, experts=a.experts)
+    except ValueError as e:   # an expert set this model does not have
+        print(f"tessera expert-node: {e}", file=sys.stderr)
+        return 2
     serve(node, a.host, a.port)
     return 0
 
@@ -302,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="expert-0", help="endpoint name on the M2N transport")
     p.add_argument("--shard-index", type=int, default=0)
     p.add_argument("--shard-count", type=int, default=1)
-    p.add_argument("--experts", default=None,
+    p.add_argument("--experts", default=None, type=_expert_set,
                    help="MoE experts this node holds, e.g. 0,2,4,6 or 0-3 (default: the shard's contiguous range)")
     p.add_argument("--transport", default="auto", choices=["auto", "nixl", "tcp"])
     p.add_argument("--transport-advertise", default=None,
