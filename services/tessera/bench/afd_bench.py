@@ -1,153 +1,153 @@
-"""`tessera bench afd`: decode throughput of attention-FFN disaggregation on a tiny MoE.
+"""`tessera bench afd`: fixed-batch decode throughput of attention-FFN disaggregation on a tiny
+MoE, one attention node (core 0) and one expert node (core 1), one thread each, for m = 1, 2,
+3 micro-batches, against the monolithic engine with two threads on both cores.
 
-This process is the attention node, pinned to core 0 with one thread; one expert node runs
-as a separate process pinned to core 1 with one thread. For m = 1, 2, 3 micro-batches it
-measures decode throughput at a fixed batch (prefill excluded), the per-layer times T_a
-(attention halves of one micro-batch, with dispatch), T_e (one expert computation of one
-micro-batch) and T_c (one direction of communication for one micro-batch, derived from the
-attention side's wait: wait = 2 T_c + T_e per layer and micro-batch when nothing overlaps,
-so only the m = 1 row gives it), and each side's idle fraction. The monolithic engine runs
-the same decode with two threads on both cores. Every number here is measured, except
-simulated_ms: the discrete-event simulator's prediction for each row, fed by m = 1 runs at
-each micro-batch size (B, B/2, B/3) measured right after the timed rows, or by --profile. (A
-profile taken minutes apart drifts by up to 20% on a shared VM; back to back it does not.)
+Measured (disagg.measure): per configuration a window of --steps decode steps of B requests
+that all stay running (the run fails if one is preempted or finishes inside it); tokens are
+those the engine emitted; T_a, T_e, T_c, T_o per layer and micro-batch, idle fractions.
+Simulated, and labelled so:
+- simulated_ms / simulation_error: the simulator fed by m = 1 calibration runs at every
+  micro-batch size, taken right after the timed rows. The m = 1 row at B is one of its
+  inputs, so its error is not reported (None): only m >= 2 rows are predictions.
+- profile_simulated_ms / profile_error: the simulator fed by --profile, a `tessera profile`
+  run taken separately (independent of this run, drift included; every row is a prediction).
+- projection_simulated: M attention nodes feeding one expert node (MegaScale-Infer's answer
+  to a lightly loaded expert), which two cores cannot measure fairly; predicted only.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import subprocess
+import pathlib
 import sys
-import time
 
-BENCH_MODEL = "random:mixtral:hidden_size=1024,intermediate_size=512,num_hidden_layers=4,vocab_size=4096"
+from tessera.disagg.measure import BENCH_MODEL, Window, afd_row, expert_node, monolithic_row
+from tessera.disagg.profile import build_profile, load_profile, profile_model, profile_row, profile_sizes
+from tessera.disagg.simulator import simulate
 
 
 def add_args(p) -> None:
     p.add_argument("--model", default=BENCH_MODEL)
-    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--batch", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--steps", type=int, default=48, help="decode steps timed per configuration")
     p.add_argument("--micro-batches", default="1,2,3")
     p.add_argument("--transport", default="auto", choices=["auto", "nixl", "tcp"])
     p.add_argument("--json", action="store_true")
     p.add_argument("--profile", default=None,
-                   help="a `tessera profile` JSON for the simulator (default: calibrate here, m = 1 runs at "
-                        "each micro-batch size right after the timed rows)")
+                   help="a `tessera profile` JSON taken separately (same --model, --batch, --micro-batches): "
+                        "its simulated times and errors are reported beside the calibrated ones")
+    p.add_argument("--project-attention-nodes", default="2,3,4",
+                   help="M values for the simulated projection of M attention nodes -> 1 expert node")
 
 
-def timed_decode(engine, batch: int, prompt_len: int, steps: int, probe=lambda: None):
-    """(seconds, probe() before, probe() after) for `steps` decode steps of `batch` running
-    requests; prefill and the final drain fall outside the window."""
-    import torch
-
-    from tessera.config import SamplingParams
-    g = torch.Generator().manual_seed(0)
-    vocab = engine.model_config.vocab_size
-    sampling = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request(torch.randint(3, vocab, (prompt_len,), generator=g).tolist(), sampling)
-    started: set[str] = set()
-    while len(started) < batch:
-        started |= {o.request_id for o in engine.step() if o.new_token_ids}
-    first = probe()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    elapsed = time.perf_counter() - t0
-    last = probe()
-    while engine.has_unfinished:
-        engine.step()
-    return elapsed, first, last
+def measure_rows(a, window: Window, micro_batches: list[int]) -> tuple[list[dict], list[dict]]:
+    """(AFD rows, m = 1 calibration samples at every micro-batch size), back to back on one
+    expert process."""
+    rows = []
+    with expert_node(a.model, a.transport) as address:
+        for m in micro_batches:
+            rows.append(afd_row(a.model, window, m, address, a.transport))
+            if not a.json:
+                print(_line(rows[-1]), flush=True)
+        samples = [profile_row(r) for r in rows if r["micro_batches"] == 1]
+        for b in sorted(set(profile_sizes(a.batch, micro_batches)) - {s["batch"] for s in samples}):
+            samples.append(profile_row(afd_row(a.model, Window(b, a.prompt_len, a.steps), 1, address, a.transport)))
+    return rows, sorted(samples, key=lambda s: s["batch"])
 
 
-def _engine_config(a, threads: int):
-    from tessera.config import CacheConfig, EngineConfig, SchedulerConfig
-    return EngineConfig(model=a.model, dtype="float32", num_threads=threads,
-                        cache=CacheConfig(block_size=16, num_blocks=1024),
-                        scheduler=SchedulerConfig(max_num_seqs=a.batch, max_num_batched_tokens=1024))
+def add_simulation(rows: list[dict], mono: dict, calibrated, independent, batch: int) -> None:
+    """Simulated times and relative errors beside each measured row, and the speed-ups the
+    issue's targets are stated in."""
+    base = next((r["output_tok_s"] for r in rows if r["micro_batches"] == 1), None)
+    for r in rows:
+        m = r["micro_batches"]
+        r["simulated_ms"] = round(1e3 * simulate(calibrated, batch, m), 2)
+        r["simulation_error"] = None if m == 1 else _error(r["simulated_ms"], r["iteration_ms"])
+        if independent is not None:
+            r["profile_simulated_ms"] = round(1e3 * simulate(independent, batch, m), 2)
+            r["profile_error"] = _error(r["profile_simulated_ms"], r["iteration_ms"])
+        r["vs_m1"] = round(r["output_tok_s"] / base, 3) if base else None
+        r["vs_monolithic"] = round(r["output_tok_s"] / mono["output_tok_s"], 3)
 
 
-def _expert_process(a, port: int) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "tessera.cli", "expert-node", "--model", a.model, "--dtype", "float32",
-            "--threads", "1", "--port", str(port), "--transport", a.transport]
-    # Its "ready" line goes to stderr: stdout carries only our --json.
-    return subprocess.Popen(argv, stdout=sys.stderr, preexec_fn=lambda: os.sched_setaffinity(0, {1}))
+def _error(simulated: float, measured: float) -> float:
+    return round(simulated / measured - 1, 3)
 
 
-def afd_row(a, m: int, address: str) -> dict:
-    """One AFD configuration; per-layer times are per micro-batch (of batch / m tokens)."""
-    from tessera.config import AfdConfig
-    from tessera.disagg.attention_node import build_attention_engine
-    from tessera.rpc.expert_client import GrpcExpertControl
-    control = GrpcExpertControl(address)
-    engine = build_attention_engine(_engine_config(a, 1), AfdConfig(
-        name=f"bench-attention-m{m}-b{a.batch}", expert_nodes=(address,), transport=a.transport, micro_batches=m,
-        connect_wait_s=120), [control])
-    runner = engine.runner
-    timed_decode(engine, a.batch, a.prompt_len, 4)                  # warm-up
-    elapsed, (before, attn0, wait0), (after, attn1, wait1) = timed_decode(
-        engine, a.batch, a.prompt_len, a.steps, lambda: (control.info(), runner.attn_s, runner.wait_s))
-    layers = engine.model_config.num_layers
-    expert_s, batches = after.compute_s - before.compute_s, after.batches - before.batches
-    t_e = expert_s / max(1, batches)           # per micro-batch and layer
-    t_a = (attn1 - attn0) / max(1, batches)
-    wait = (wait1 - wait0) / max(1, batches)
-    runner.stop_experts()
-    # Close this configuration's endpoint: a transport left open keeps its progress thread
-    # polling on the attention core through every later measurement.
-    runner.transport.close()
-    control.close()
-    return {"mode": "afd", "micro_batches": m, "output_tok_s": round(a.batch * a.steps / elapsed, 1),
-            "iteration_ms": round(1e3 * elapsed / a.steps, 2), "layers": layers,
-            "t_a_ms": round(1e3 * t_a, 3), "t_e_ms": round(1e3 * t_e, 3),
-            "t_c_ms": round(1e3 * max(0.0, wait - t_e) / 2, 3) if m == 1 else None,
-            "t_o_ms": round(1e3 * (elapsed - (attn1 - attn0) - (wait1 - wait0)) / a.steps, 3),
-            "attention_idle": round(min(1.0, (wait1 - wait0) / elapsed), 3),
-            "expert_idle": round(max(0.0, 1 - expert_s / elapsed), 3)}
+def projection(model, batch: int, m: int, nodes: list[int]) -> list[dict]:
+    """M attention nodes with B requests each feeding one expert node (cores: M + 1), with the
+    expert computing each node's micro-batch alone (as Tessera's expert node does) or all
+    nodes' micro-batch i as one computation (MegaScale-Infer). Expert sizes beyond the
+    profile's largest batch come from its linear fit."""
+    out = []
+    for M in nodes:
+        for aggregate in (False, True):
+            t = simulate(model, batch, m, attention_nodes=M, aggregate=aggregate)
+            out.append({"attention_nodes": M, "expert_nodes": 1,
+                        "expert": "aggregated" if aggregate else "per attention node",
+                        "iteration_ms": round(1e3 * t, 2), "output_tok_s": round(M * batch / t, 1),
+                        "tok_s_per_core": round(M * batch / t / (M + 1), 1)})
+    return out
+
+
+def _independent_profile(a):
+    if not a.profile:
+        return None
+    data = json.loads(pathlib.Path(a.profile).read_text())
+    taken = data.get("taken", {})
+    if taken.get("model", a.model) != a.model:
+        raise SystemExit(f"{a.profile} was taken with --model {taken['model']}, not {a.model}")
+    for key in ("prompt_len", "steps"):
+        if key in taken and taken[key] != getattr(a, key):
+            print(f"warning: {a.profile} was taken with --{key.replace('_', '-')} {taken[key]}", file=sys.stderr)
+    return load_profile(a.profile)
 
 
 def main(a) -> int:
-    import torch
-
-    from tessera.engine import Engine
+    from tessera.disagg.measure import FixedBatchError
     from tessera.models.loader import resolve_model_path
     resolve_model_path(a.model)
-    mono = Engine(_engine_config(a, 2))
-    timed_decode(mono, a.batch, a.prompt_len, 4)
-    elapsed = timed_decode(mono, a.batch, a.prompt_len, a.steps)[0]
-    rows = [{"mode": "monolithic", "output_tok_s": round(a.batch * a.steps / elapsed, 1),
-             "iteration_ms": round(1e3 * elapsed / a.steps, 2), "threads": 2}]
-    del mono
-    from tessera.bench.m2n_bench import _free_port
-    from tessera.disagg.profile import build_profile, load_profile, profile_model, profile_row
-    from tessera.disagg.simulator import simulate
-    port = _free_port()
-    expert = _expert_process(a, port)
+    independent = _independent_profile(a)
+    window = Window(a.batch, a.prompt_len, a.steps)
     micro_batches = [int(x) for x in a.micro_batches.split(",")]
     try:
-        os.sched_setaffinity(0, {0})
-        torch.set_num_threads(1)
-        address = f"127.0.0.1:{port}"
-        for m in micro_batches:
-            rows.append(afd_row(a, m, address))
-            if not a.json:
-                print(rows[-1], flush=True)
-        if not a.profile:   # calibrate: m = 1 at every micro-batch size, right after the rows
-            measured = [profile_row(a.batch, r) for r in rows[1:] if r["micro_batches"] == 1]
-            sizes = sorted({-(-a.batch // m) for m in micro_batches} - {r["batch"] for r in measured})
-            measured += [profile_row(b, afd_row(argparse.Namespace(**{**vars(a), "batch": b}), 1, address))
-                         for b in sizes]
-    finally:
-        expert.terminate()
-        expert.wait(timeout=20)
-    model = load_profile(a.profile) if a.profile else profile_model(build_profile(measured, rows[1]["layers"]))
-    for r in rows[1:]:
-        r["simulated_ms"] = round(1e3 * simulate(model, a.batch, r["micro_batches"]), 2)
-        r["simulation_error"] = round(r["simulated_ms"] / r["iteration_ms"] - 1, 3)
+        mono = monolithic_row(a.model, window)
+        if not a.json:
+            print(_line(mono), flush=True)
+        rows, samples = measure_rows(a, window, micro_batches)
+    except FixedBatchError as e:
+        print(f"bench afd: not fixed-batch decode: {e}", file=sys.stderr)
+        return 1
+    calibrated = profile_model(build_profile(samples, rows[0]["layers"]))
+    add_simulation(rows, mono, calibrated, independent, a.batch)
+    nodes = [int(x) for x in a.project_attention_nodes.split(",") if x]
+    for r in rows:
+        r["projection_simulated"] = projection(independent or calibrated, a.batch, r["micro_batches"], nodes)
     if a.json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps([mono, *rows], indent=1))
     else:
-        print(rows[0])
+        _report(mono, rows, "independent profile" if independent else "calibration runs")
     return 0
+
+
+def _line(r: dict) -> str:
+    keys = ("mode", "micro_batches", "batch", "output_tokens", "output_tok_s", "iteration_ms", "t_a_ms",
+            "t_e_ms", "t_c_ms", "t_o_ms", "attention_idle", "expert_idle")
+    return "  ".join(f"{k} {r[k]}" for k in keys if k in r)
+
+
+def _report(mono: dict, rows: list[dict], source: str) -> None:
+    print(f"\nmeasured: monolithic (2 threads) {mono['output_tok_s']} tok/s at batch {mono['batch']}")
+    print(" m  tok/s    vs m=1  vs mono  iter ms  sim(calibr.) err     sim(profile) err")
+    for r in rows:
+        print(f"{r['micro_batches']:>2}  {r['output_tok_s']:>7}  {r['vs_m1']!s:>6}  {r['vs_monolithic']:>7}  "
+              f"{r['iteration_ms']:>7}  {r['simulated_ms']:>12} {r['simulation_error']!s:>6}  "
+              f"{r.get('profile_simulated_ms', '-')!s:>12} {r.get('profile_error', '-')!s:>6}")
+    print("(calibration error of m = 1 not shown: that row is one of the simulator's inputs)")
+    print(f"\nSIMULATED, not measured (from the {source}): M attention nodes -> 1 expert node, "
+          f"batch {mono['batch']} per attention node")
+    for r in rows:
+        for p in r["projection_simulated"]:
+            print(f"  m = {r['micro_batches']}  M = {p['attention_nodes']}  expert {p['expert']:<18}  "
+                  f"{p['output_tok_s']:>8} tok/s  {p['tok_s_per_core']:>7} tok/s per core  "
+                  f"iteration {p['iteration_ms']} ms")

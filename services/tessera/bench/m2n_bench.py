@@ -110,7 +110,8 @@ def _gloo_endpoint(role, index, m, n, sizes, iters, conn, port) -> None:
 def run_shape(backend: str, m: int, n: int, sizes: list[int], iters: int) -> list[dict]:
     from tessera.bench.m2n_bench import _endpoint  # picklable by name under spawn
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    from tessera.disagg.measure import free_port
+    port = free_port()
     pipes, procs = [], []
     for role, count in (("s", m), ("r", n)):
         for i in range(count):
@@ -143,13 +144,6 @@ def run_shape(backend: str, m: int, n: int, sizes: list[int], iters: int) -> lis
                      "p50_us": round(p50 * 1e6, 1), "p99_us": round(p99 * 1e6, 1),
                      "gbps": round(2 * size * m * n * 8 / p50 / 1e9, 3)})
     return rows
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(a) -> int:

@@ -2,10 +2,13 @@
 linear models the planner and the simulator use (MegaScale-Infer §4.2: T_a = k1 b + k2,
 T_e = k3 b + k4; T_c and T_o are fitted the same way).
 
-The measurements are AFD decode runs with m = 1 (nothing overlaps, so the attention side's
-wait per layer is exactly 2 T_c + T_e) at several batch sizes, one attention process and one
-expert process, each on its own core with one thread — the same set-up as `bench afd`, so the
-simulator can be checked against that benchmark's m = 2, 3 rows, which the fit never saw.
+The measurements are fixed-batch AFD decode windows (disagg.measure) with m = 1 (nothing
+overlaps, so the attention side's wait per layer is exactly 2 T_c + T_e), one attention
+process and one expert process, each on its own core with one thread: the set-up of `bench
+afd`. They are taken at every micro-batch size the simulator uses for that bench's batch B
+(floor(B/m), floor(B/m) + 1) and a few small sizes for the fits. Run separately from the
+bench, the profile is an independent input: `bench afd --profile FILE` reports the
+simulator's error against it.
 """
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ import json
 import os
 import pathlib
 
-from tessera.disagg.simulator import Linear, Measured, StepModel
+from tessera.disagg.measure import BENCH_MODEL, Window, afd_row, expert_node
+from tessera.disagg.simulator import Linear, Measured, StepModel, micro_batch_sizes
 
 
 def fit(xs: list[float], ys: list[float]) -> Linear:
@@ -32,9 +36,15 @@ def build_profile(rows: list[dict], layers: int) -> dict:
             "fits": {k: {"slope_s_per_token": v.slope, "intercept_s": v.intercept} for k, v in fits.items()}}
 
 
-def profile_row(batch: int, row: dict) -> dict:
-    """A profile sample from an m = 1 `bench afd` row."""
-    return {"batch": batch, **{k: row[k] for k in ("t_a_ms", "t_e_ms", "t_c_ms", "t_o_ms", "iteration_ms", "layers")}}
+def profile_row(row: dict) -> dict:
+    """A profile sample from an m = 1 AFD row (disagg.measure.afd_row)."""
+    return {k: row[k] for k in ("batch", "t_a_ms", "t_e_ms", "t_c_ms", "t_o_ms", "iteration_ms", "layers")}
+
+
+def profile_sizes(batch: int, micro_batches: list[int], extra: list[int] = ()) -> list[int]:
+    """Every micro-batch size the simulator asks about for `batch` split m ways (so it
+    interpolates nothing there), plus `extra` points for the linear fits."""
+    return sorted({b for m in micro_batches for b in micro_batch_sizes(batch, m)} | set(extra))
 
 
 def load_profile(path: str | os.PathLike) -> StepModel:
@@ -50,9 +60,11 @@ def profile_model(data: dict) -> StepModel:
 
 
 def add_args(p) -> None:
-    from tessera.bench.afd_bench import BENCH_MODEL
     p.add_argument("--model", default=BENCH_MODEL)
-    p.add_argument("--batches", default="8,16,32,64,128,256")
+    p.add_argument("--batch", type=int, default=256, help="the batch B `bench afd` will run")
+    p.add_argument("--micro-batches", default="1,2,3",
+                   help="the m values `bench afd` will run: each floor(B/m) (and floor(B/m) + 1) is measured")
+    p.add_argument("--batches", default="8,16,32", help="further batch sizes for the linear fits")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--steps", type=int, default=48, help="decode steps per batch size (as bench afd: "
                    "the same context lengths)")
@@ -60,34 +72,25 @@ def add_args(p) -> None:
     p.add_argument("--out", default="afd-profile.json")
 
 
+def measure(model: str, sizes: list[int], prompt_len: int, steps: int, transport: str,
+            log=lambda row: None) -> list[dict]:
+    """m = 1 rows at each batch size against one expert process (pinned, one thread each)."""
+    rows = []
+    with expert_node(model, transport) as address:
+        for batch in sizes:
+            rows.append(profile_row(afd_row(model, Window(batch, prompt_len, steps), 1, address, transport)))
+            log(rows[-1])
+    return rows
+
+
 def main(a) -> int:
-    import subprocess
-    from types import SimpleNamespace
-
-    import torch
-
-    from tessera.bench.afd_bench import _expert_process, afd_row
-    from tessera.bench.m2n_bench import _free_port
     from tessera.models.loader import resolve_model_path
     resolve_model_path(a.model)
-    port = _free_port()
-    expert = _expert_process(a, port)
-    rows = []
-    try:
-        os.sched_setaffinity(0, {0})
-        torch.set_num_threads(1)
-        for batch in [int(x) for x in a.batches.split(",")]:
-            args = SimpleNamespace(model=a.model, batch=batch, prompt_len=a.prompt_len, steps=a.steps,
-                                   transport=a.transport)
-            rows.append(profile_row(batch, afd_row(args, 1, f"127.0.0.1:{port}")))
-            print(rows[-1], flush=True)
-    finally:
-        expert.terminate()
-        try:
-            expert.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            expert.kill()
+    sizes = profile_sizes(a.batch, [int(x) for x in a.micro_batches.split(",")],
+                          [int(x) for x in a.batches.split(",") if x])
+    rows = measure(a.model, sizes, a.prompt_len, a.steps, a.transport, lambda r: print(r, flush=True))
     profile = build_profile(rows, rows[0]["layers"])
+    profile["taken"] = {"model": a.model, "prompt_len": a.prompt_len, "steps": a.steps, "transport": a.transport}
     pathlib.Path(a.out).write_text(json.dumps(profile, indent=1))
     print(f"wrote {a.out}: " + ", ".join(f"{k} = {v['slope_s_per_token'] * 1e6:.1f} us/token + "
                                           f"{v['intercept_s'] * 1e3:.2f} ms" for k, v in profile["fits"].items()))

@@ -14,7 +14,6 @@ about the expert's weight read).
 from __future__ import annotations
 
 import bisect
-import heapq
 from dataclasses import dataclass
 
 
@@ -64,32 +63,54 @@ class StepModel:
     layers: int
 
 
-def simulate(model: StepModel, batch: int, m: int, attention_nodes: int = 1, expert_nodes: int = 1) -> float:
-    """Iteration time (s) of one decode step with `batch` tokens per attention node."""
-    sizes = [batch // m + (i < batch % m) for i in range(m)]
+def micro_batch_sizes(batch: int, m: int) -> list[int]:
+    """The sizes the attention node splits a step of `batch` requests into (floor(B/m), and
+    floor(B/m) + 1 for the first B mod m): the sizes a profile has to measure."""
+    return [batch // m + (i < batch % m) for i in range(m)]
+
+
+def simulate(model: StepModel, batch: int, m: int, attention_nodes: int = 1, expert_nodes: int = 1,
+             aggregate: bool = False) -> float:
+    """Iteration time (s) of one decode step with `batch` tokens per attention node.
+
+    aggregate=False is Tessera's expert node: it computes each attention node's micro-batch
+    on its own, first come first served. aggregate=True is MegaScale-Infer's: micro-batch i
+    of a layer is one expert computation over the tokens of every attention node, started
+    once the last of them has arrived."""
+    sizes = micro_batch_sizes(batch, m)
     attn_free = [0.0] * attention_nodes
     expert_free = [0.0] * expert_nodes
     ready = {(a, i): 0.0 for a in range(attention_nodes) for i in range(m)}   # reply back at
-    done = [0.0] * attention_nodes
-    for layer in range(model.layers):
+    for _ in range(model.layers):
         arrivals = []
         for a in range(attention_nodes):
             for i, b in enumerate(sizes):
                 start = max(attn_free[a], ready[a, i])
                 attn_free[a] = start + model.t_a(b)
-                heapq.heappush(arrivals, (attn_free[a] + model.t_c(b), a, i, b))
-        replies = {}
-        while arrivals:          # each expert node serves dispatches in arrival order
-            at, a, i, b = heapq.heappop(arrivals)
-            back = 0.0
+                arrivals.append((attn_free[a] + model.t_c(b), a, i))
+        ready = {}
+        for at, group in _expert_work(arrivals, aggregate):
+            tokens = sum(sizes[i] for _, i in group)
+            done = 0.0
             for e in range(expert_nodes):
-                expert_free[e] = max(expert_free[e], at) + model.t_e(b)
-                back = max(back, expert_free[e] + model.t_c(b))
-            replies[a, i] = back
-        ready = replies
-    for a in range(attention_nodes):
-        done[a] = max(attn_free[a], max(ready[a, i] for i in range(m))) + model.t_o(batch)
-    return max(done)
+                expert_free[e] = max(expert_free[e], at) + model.t_e(tokens)
+                done = max(done, expert_free[e])
+            ready.update({(a, i): done + model.t_c(sizes[i]) for a, i in group})
+    return max(max(attn_free[a], *(ready[a, i] for i in range(m))) + model.t_o(batch)
+               for a in range(attention_nodes))
+
+
+def _expert_work(arrivals: list[tuple[float, int, int]], aggregate: bool):
+    """(start no earlier than, [(attention node, micro-batch)]) in the order an expert node
+    serves them: each dispatch alone by arrival, or (aggregate) each micro-batch index once
+    all attention nodes' dispatches of it are in."""
+    if not aggregate:
+        return [(at, [(a, i)]) for at, a, i in sorted(arrivals)]
+    groups: dict[int, list] = {}
+    for at, a, i in arrivals:
+        groups.setdefault(i, []).append((at, a))
+    work = [(max(at for at, _ in g), [(a, i) for _, a in g]) for i, g in groups.items()]
+    return sorted(work, key=lambda w: (w[0], w[1][0][1]))
 
 
 def paper_total(t_a: float, t_e: float, t_c: float, m: int, layers: int) -> float:
