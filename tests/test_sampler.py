@@ -7,10 +7,10 @@ from tessera.config import SamplingParams
 from tessera.sampler import SamplingBatch, sample
 
 
-def batch(params, outputs=None, prompts=None, gens=None, banned=None) -> SamplingBatch:
+def batch(params, outputs=None, prompts=None, banned=None) -> SamplingBatch:
     n = len(params)
     return SamplingBatch(params, outputs or [[] for _ in range(n)], prompts or [[0] for _ in range(n)],
-                         gens or [None] * n, banned or [()] * n)
+                         banned or [()] * n)
 
 
 def test_greedy_and_pure():
@@ -32,7 +32,7 @@ def test_top_k_1_and_tiny_top_p_are_greedy():
 def test_seed_reproducible_and_distribution():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
     sp = SamplingParams(temperature=1.0, seed=7)
-    a = [sample(logits, batch([sp], gens=[torch.Generator().manual_seed(7)])).token_ids[0] for _ in range(3)]
+    a = [sample(logits, batch([sp]), torch.Generator().manual_seed(i)).token_ids[0] for i in range(3)]
     assert len(set(a)) == 1
     g = torch.Generator().manual_seed(0)
     draws = [sample(logits, batch([SamplingParams(temperature=1.0)]), g).token_ids[0] for _ in range(3000)]
@@ -61,3 +61,31 @@ def test_logprobs_of_raw_logits():
     assert torch.allclose(out.logprobs, ref[2:3])
     assert out.top_ids[0].tolist() == [2, 1]
     assert torch.allclose(out.top_logprobs[0], ref[[2, 1]])
+
+
+def test_seeded_draw_depends_only_on_seed_and_output_position():
+    """Any replica reproduces a seeded stream: the draw at output position p is the same
+    whatever came before it, whatever else is in the batch, whatever the default generator."""
+    logits = torch.zeros(1, 1000)                   # uniform: the draw is all noise
+    sp = SamplingParams(temperature=1.0, seed=11)
+    at = lambda p, outputs=None, g=0: sample(logits, batch([sp], outputs=[outputs or [0] * p]),  # noqa: E731
+                                             torch.Generator().manual_seed(g)).token_ids[0]
+    assert at(5) == at(5, outputs=[9, 8, 7, 6, 5], g=3)
+    draws = [at(p) for p in range(20)]
+    assert len(set(draws)) > 15                     # positions draw independently
+    other = SamplingParams(temperature=1.0, seed=12)
+    assert [sample(logits, batch([other], outputs=[[0] * p])).token_ids[0] for p in range(20)] != draws
+    in_batch = sample(logits.expand(3, -1), batch([SamplingParams(temperature=1.0), sp, sp],
+                                                  outputs=[[], [0] * 4, [0] * 5]))
+    assert in_batch.token_ids[1:] == [at(4), at(5)]
+
+
+def test_logit_bias_moves_tokens_and_logprobs_stay_raw():
+    logits = torch.tensor([[2.0, 1.0, 0.0]])
+    sp = SamplingParams(temperature=0, logit_bias=((2, 100.0),), logprobs=0)
+    out = sample(logits, batch([sp]))
+    assert out.token_ids == [2]
+    assert torch.allclose(out.logprobs, torch.log_softmax(logits, -1)[0, 2:3])
+    banned = SamplingParams(temperature=1.0, logit_bias=((0, -100.0), (1, -100.0)))
+    g = torch.Generator().manual_seed(0)
+    assert {sample(logits, batch([banned]), g).token_ids[0] for _ in range(50)} == {2}

@@ -14,10 +14,12 @@ import time
 from typing import AsyncIterator
 
 from tessera.config import ConfigError
-from tessera.engine import ContextLengthError, Engine, RequestOutput
+from tessera.engine import ContextLengthError, Engine, QueueFull, RequestOutput
 from tessera.processor import Processor
-from tessera.worker_api import (ContextLengthExceeded, GenerateChunk, GenerateInput, InvalidRequest,
-                                Saturated, TokenLogprobInfo, TopToken, Unavailable, WorkerInfo)
+from tessera.transport.base import TransportError
+from tessera.worker_api import (ContextLengthExceeded, GenerateChunk, GenerateInput, InternalError,
+                                InvalidRequest, Saturated, TokenLogprobInfo, TopToken, Unavailable,
+                                WorkerError, WorkerInfo)
 
 log = logging.getLogger("tessera.engine")
 
@@ -27,6 +29,7 @@ class AsyncEngine:
         self.engine = engine
         self.role = role
         self.processor = Processor(engine.tokenizer)
+        self.compat = engine.compat_hash     # computed once, before the loop thread starts
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -47,30 +50,22 @@ class AsyncEngine:
             model_id=e.model_id, max_model_len=e.max_model_len, num_kv_blocks=e.kv.num_blocks,
             kv_block_size=e.kv.block_size, num_free_kv_blocks=e.kv.num_free_blocks,
             num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting) + self._pending,
-            dtype=str(e.dtype).removeprefix("torch."), role=self.role)
+            dtype=str(e.dtype).removeprefix("torch."), role=self.role, compat=self.compat)
 
     async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateChunk]:
+        """Tokenize here, then hand the request to the engine thread, which validates it
+        (Engine.add_request); a rejection comes back as the stream's first item."""
         if not self.alive:
             raise Unavailable(f"engine loop is not running: {self.error}")
         prompt = self.processor.prompt_ids(request)
-        try:
-            sampling = self.engine.resolve(len(prompt), request.sampling)
-        except ContextLengthError as e:
-            raise ContextLengthExceeded(str(e), "messages" if request.messages else "prompt") from e
-        except ConfigError as e:
-            raise InvalidRequest(str(e)) from e
-        if any(not 0 <= t < self.engine.model_config.vocab_size for t in prompt):
-            raise InvalidRequest("prompt token ids must be in [0, vocab_size)", "prompt")
-        waiting = len(self.engine.scheduler.waiting) + self._pending
-        if waiting >= self.engine.config.scheduler.max_waiting:
-            raise Saturated("the worker's queue is full; retry later")
         rid = request.request_id
         if rid in self._streams:
             raise InvalidRequest(f"request id {rid} is already running", "request_id")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), q)
         self._pending += 1
-        self._send(("add", rid, prompt, sampling))
+        self._send(("add", rid, prompt, request.sampling, request.resume,
+                    "messages" if request.messages else "prompt"))
         finished = False
         try:
             first = True
@@ -119,10 +114,11 @@ class AsyncEngine:
                 except Exception as e:  # one bad step fails its requests, not the worker
                     log.exception("engine step failed")
                     for rid in self.engine.fail_running():
-                        self._deliver(rid, Unavailable(f"engine step failed: {e}"))
+                        self._deliver(rid, step_error(e))
                     continue
                 for out in outputs:
-                    self._deliver(out.request_id, out)
+                    self._deliver(out.request_id, out if out.error is None else
+                                  InternalError(f"the engine failed this request: {out.error}"))
                 self.last_step = time.monotonic()
         except BaseException as e:  # the loop is dead: fail every open stream, never hang them
             self.error = e
@@ -137,14 +133,14 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command[0] == "add":
-                _, rid, prompt, sampling = command
+                _, rid, prompt, sampling, resume, prompt_param = command
                 self._pending -= 1
                 if rid not in self._streams:
                     continue  # the client went away before the engine saw it
                 try:
-                    self.engine.add_request(prompt, sampling, rid)
+                    self.engine.add_request(prompt, sampling, rid, resume)
                 except Exception as e:
-                    self._deliver(rid, InvalidRequest(str(e)))
+                    self._deliver(rid, admission_error(e, prompt_param))
             else:
                 self.engine.abort(command[1])
 
@@ -159,3 +155,26 @@ class AsyncEngine:
                              finish_reason=out.finish_reason, prompt_tokens=out.prompt_tokens,
                              completion_tokens=out.completion_tokens,
                              prompt_token_ids=tuple(prompt or ()))
+
+
+def admission_error(e: Exception, prompt_param: str) -> WorkerError:
+    """What Engine.add_request raised, as the error the client sees."""
+    if isinstance(e, ContextLengthError):
+        return ContextLengthExceeded(str(e), prompt_param)
+    if isinstance(e, ConfigError):
+        param = prompt_param if e.param == "prompt" else e.param
+        return InvalidRequest(str(e), param)
+    if isinstance(e, QueueFull):
+        return Saturated(str(e))
+    log.exception("admitting a request failed")
+    return InternalError(f"the worker could not admit the request: {type(e).__name__}")
+
+
+def step_error(e: Exception) -> WorkerError:
+    """A failed step's error for its requests: a lost peer (an AFD expert node) is a failure
+    another replica can take over (Unavailable); anything else is this engine's fault
+    (InternalError, 500), and the gateway must not replay the request elsewhere, since the
+    same request could fail the next replica's batch too."""
+    if isinstance(e, (ConnectionError, TimeoutError, TransportError)):
+        return Unavailable(f"engine step failed: {e}")
+    return InternalError(f"engine step failed: {type(e).__name__}: {e}")

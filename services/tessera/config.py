@@ -7,8 +7,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+INT32_MAX = 2**31 - 1            # protobuf int32 fields: token ids, top_k, max/min_tokens
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+
+
 class ConfigError(ValueError):
-    """A configuration or request parameter is invalid; the message says which and why."""
+    """A configuration or request parameter is invalid; the message says which and why, and
+    `param` names the offending field when there is one."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -30,8 +39,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100]) pairs
 
     def __post_init__(self) -> None:
+        """Everything that can be checked without the model; the worker checks token ids
+        against the vocabulary at admission (Engine.add_request)."""
         checks = [
             (self.temperature >= 0.0, "temperature", "must be >= 0"),
             (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
@@ -45,12 +57,22 @@ class SamplingParams:
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              "must be <= max_tokens"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (self.seed is None or INT64_MIN <= self.seed <= INT64_MAX, "seed", "must fit in 64 bits"),
+            (self.top_k <= INT32_MAX, "top_k", f"must be <= {INT32_MAX}"),
+            (self.max_tokens is None or self.max_tokens <= INT32_MAX, "max_tokens", f"must be <= {INT32_MAX}"),
+            (self.min_tokens <= INT32_MAX, "min_tokens", f"must be <= {INT32_MAX}"),
+            (all(0 <= t <= INT32_MAX for t in self.stop_token_ids), "stop_token_ids",
+             "must be token ids (integers >= 0)"),
+            (all(0 <= t <= INT32_MAX for t, _ in self.logit_bias), "logit_bias",
+             "keys must be token ids (integers >= 0)"),
+            (all(-100.0 <= b <= 100.0 for _, b in self.logit_bias), "logit_bias",
+             "values must be in [-100, 100]"),
         ]
         for ok, name, why in checks:
             if not ok:
-                raise ConfigError(f"{name} {why}")
+                raise ConfigError(f"{name} {why}", name)
         if any(not s for s in self.stop):
-            raise ConfigError("stop strings must be non-empty")
+            raise ConfigError("stop strings must be non-empty", "stop")
 
     @property
     def greedy(self) -> bool:
@@ -61,9 +83,10 @@ class SamplingParams:
 class CacheConfig:
     """Paged KV cache: fixed-size blocks; num_blocks None = sized from kv_cache_gib."""
 
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_gib: float = 1.0
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block (a power of two)"})
+    num_blocks: int | None = field(default=None, metadata={
+        "flag": "--num-kv-blocks", "help": "KV blocks to allocate (default: as many as --kv-cache-gib holds)"})
+    kv_cache_gib: float = field(default=1.0, metadata={"help": "memory for the KV cache, GiB"})
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -78,9 +101,11 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous batching limits: tokens per step (chunked prefill) and running requests."""
 
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    max_waiting: int = 1024
+    max_num_batched_tokens: int = field(default=512, metadata={
+        "help": "tokens per engine step (longer prompts are prefilled in chunks)"})
+    max_num_seqs: int = field(default=64, metadata={"help": "requests running at once"})
+    max_waiting: int = field(default=1024, metadata={
+        "help": "queued requests before the worker answers Saturated (HTTP 503)"})
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
@@ -91,10 +116,15 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = "smollm2"
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    num_threads: int | None = None
+    model: str = field(default="smollm2", metadata={
+        "help": "'smollm2' (default), random:ARCH, an HF directory or a .gguf file"})
+    dtype: str = field(default="auto", metadata={
+        "choices": ("auto", "float32", "bfloat16"),
+        "help": "auto: bfloat16 where the CPU has AMX/AVX512-BF16, else float32"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "longest prompt + completion (default: the model's)"})
+    num_threads: int | None = field(default=None, metadata={
+        "flag": "--threads", "help": "torch CPU threads (default: torch's choice)"})
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -38,6 +38,16 @@ class IncrementalDetokenizer:
             return self._check_stop(len(new))
         return False
 
+    def resume(self, output_ids, text_sent: int) -> None:
+        """Continue a stream begun elsewhere: replay its output tokens, then mark the first
+        text_sent characters as already delivered. The held-back rest (a partial stop string,
+        an unfinished character) comes out as usual, and a stop string that spans the cut is
+        found, because the replayed text is searched like any other."""
+        for token_id in output_ids:
+            if self.append(token_id):
+                break
+        self.emitted = min(text_sent, len(self.text))
+
     def _check_stop(self, new_len: int) -> bool:
         if not self.stop:
             return False

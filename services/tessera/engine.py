@@ -1,12 +1,15 @@
 """The engine loop: schedule -> run -> postprocess, synchronous and single-threaded.
 
-add_request() validates and queues; step() runs one scheduler step and returns a
+add_request() validates (the only place a request is checked) and queues; step() runs one scheduler step and returns a
 RequestOutput (new tokens, new text, logprobs, finish reason) for every request that
 produced something. abort() frees a request's blocks at once.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import itertools
+import logging
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -16,9 +19,11 @@ from tessera.detokenizer import IncrementalDetokenizer
 from tessera.kv_cache import KVCacheManager
 from tessera.model_runner import ModelRunner, kv_bytes_per_block
 from tessera.models.loader import load_model, model_id_for
-from tessera.request import Request, RequestStatus
+from tessera.request import Request, RequestStatus, Resume
 from tessera.sampler import SampleResult, SamplingBatch, sample
 from tessera.scheduler import Scheduler
+
+log = logging.getLogger("tessera.engine")
 
 
 @dataclass
@@ -38,10 +43,15 @@ class RequestOutput:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    error: str | None = None          # set when this request failed inside the engine
 
 
 class EngineError(RuntimeError):
     pass
+
+
+class QueueFull(EngineError):
+    """The waiting queue is at max_waiting: back-pressure (HTTP 503 with Retry-After)."""
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -85,47 +95,78 @@ class Engine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
             {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._generators: dict[str, torch.Generator] = {}
         self._default_generator = torch.Generator().manual_seed(0)
         self._ids = itertools.count()
+
+    @functools.cached_property
+    def compat_hash(self) -> str:
+        """The compatibility hash this engine registers with (registry.compatibility_hash)."""
+        from tessera.registry import compatibility_hash
+        vocab = sorted(self.tokenizer.get_vocab().items())
+        template = getattr(self.tokenizer, "chat_template", None) or ""
+        tokenizer = hashlib.sha256(repr((vocab, template)).encode()).hexdigest()[:16]
+        return compatibility_hash(self.model_id, str(self.dtype).removeprefix("torch."), tokenizer)
 
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
 
     def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, resume: Resume | None = None) -> str:
+        """Validate and queue: the one place a request is checked against this engine (token
+        ids against the vocabulary, lengths against the context and the KV cache, the queue
+        bound), so nothing that enters a batch can make a step raise. Raises ConfigError
+        (ContextLengthError) for a bad request, QueueFull when the queue is full."""
         request_id = request_id or f"req-{next(self._ids)}"
-        sampling = self.resolve(len(prompt_token_ids), sampling)
-        if any(not 0 <= t < self.model_config.vocab_size for t in prompt_token_ids):
-            raise ConfigError("prompt token ids must be in [0, vocab_size)")
+        resume = resume or Resume()
+        sampling = self.resolve(len(prompt_token_ids) + len(resume.output_token_ids), sampling)
+        self._check_token_ids(prompt_token_ids, sampling, resume)
         if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
-            raise EngineError("the engine queue is full")
-        request = Request(request_id, list(prompt_token_ids), sampling, self.eos_token_ids)
+            raise QueueFull("the worker's queue is full; retry later")
+        if request_id in self.scheduler.requests:
+            raise ConfigError(f"request id {request_id} is already running", "request_id")
+        request = Request(request_id, list(prompt_token_ids), sampling, self.eos_token_ids,
+                          output_token_ids=list(resume.output_token_ids))
         self.scheduler.add(request)
-        self._detok[request_id] = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, sampling.stop, sampling.include_stop_str_in_output)
-        if sampling.seed is not None:
-            self._generators[request_id] = torch.Generator().manual_seed(sampling.seed)
+        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, sampling.stop,
+                                       sampling.include_stop_str_in_output)
+        detok.resume(resume.output_token_ids, resume.text_sent)
+        self._detok[request_id] = detok
         return request_id
 
-    def resolve(self, num_prompt_tokens: int, sampling: SamplingParams) -> SamplingParams:
-        """The request's sampling with max_tokens=None made concrete (the rest of the context);
-        raises ConfigError when the request can never run here."""
-        if num_prompt_tokens == 0:
-            raise ConfigError("the prompt is empty")
+    def _check_token_ids(self, prompt: list[int], sampling: SamplingParams, resume: Resume) -> None:
+        vocab = self.model_config.vocab_size
+        for name, ids in (("prompt", prompt), ("stop_token_ids", sampling.stop_token_ids),
+                          ("logit_bias", [t for t, _ in sampling.logit_bias]),
+                          ("prompt", resume.output_token_ids)):
+            if any(not 0 <= t < vocab for t in ids):
+                raise ConfigError(f"{name}: token ids must be in [0, {vocab}) for this model", name)
+
+    def resolve(self, num_tokens: int, sampling: SamplingParams) -> SamplingParams:
+        """The request's sampling with max_tokens=None made concrete: as much as both the
+        context and the KV cache can hold (vLLM's rule; reaching it finishes with "length").
+        num_tokens counts the prompt and any output a resumed request already has. Raises
+        ConfigError when the request can never run here."""
+        if num_tokens == 0:
+            raise ConfigError("the prompt is empty", "prompt")
+        capacity = self.kv.num_blocks * self.kv.block_size
         if sampling.max_tokens is None:
-            sampling = replace(sampling, max_tokens=max(1, self.max_model_len - num_prompt_tokens))
-        total = num_prompt_tokens + sampling.max_tokens
+            room = min(self.max_model_len, capacity) - num_tokens
+            if room < 1:
+                raise ContextLengthError(self._too_long(num_tokens, 1))
+            sampling = replace(sampling, max_tokens=room, min_tokens=min(sampling.min_tokens, room))
+        total = num_tokens + sampling.max_tokens
         if total > self.max_model_len:
-            raise ContextLengthError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {total} tokens ({num_prompt_tokens} in the messages, "
-                f"{sampling.max_tokens} in the completion). Please reduce the length of the "
-                "messages or completion.")
-        if self.kv.blocks_for(total) > self.kv.num_blocks:
-            raise ContextLengthError(f"{total} tokens do not fit in the KV cache of this worker")
+            raise ContextLengthError(self._too_long(num_tokens, sampling.max_tokens))
+        if total > capacity:
+            raise ContextLengthError(f"{total} tokens do not fit in the KV cache of this worker "
+                                     f"({capacity} tokens)")
         return sampling
+
+    def _too_long(self, num_tokens: int, max_tokens: int) -> str:
+        return (f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {num_tokens + max_tokens} tokens ({num_tokens} in the messages, "
+                f"{max_tokens} in the completion). Please reduce the length of the messages or completion.")
 
     def abort(self, request_id: str) -> bool:
         request = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
@@ -147,8 +188,23 @@ class Engine:
         logits = self.runner.execute(plan)
         self.scheduler.on_step_done(plan)
         requests = [self.scheduler.requests[e.request_id] for e in plan.scheduled if e.sample]
-        result = sample(logits, self._sampling_batch(requests), self._default_generator)
-        return [self._postprocess(r, i, result) for i, r in enumerate(requests)]
+        try:
+            result = sample(logits, self._sampling_batch(requests), self._default_generator)
+            return [self._postprocess(r, i, result) for i, r in enumerate(requests)]
+        except Exception:   # validation should make this unreachable; if not, isolate the row
+            log.exception("sampling a batch of %d failed; sampling its rows one by one", len(requests))
+            return [self._sample_alone(r, logits[i:i + 1]) for i, r in enumerate(requests)]
+
+    def _sample_alone(self, request: Request, logits: torch.Tensor) -> RequestOutput:
+        """One row's sampling after the batch's failed: the row that raises fails alone."""
+        try:
+            result = sample(logits, self._sampling_batch([request]), self._default_generator)
+        except Exception as e:
+            log.exception("request %s: sampling failed", request.request_id)
+            self.abort(request.request_id)
+            return RequestOutput(request.request_id, [], "", [], True, "abort", request.num_prompt_tokens,
+                                 request.num_output_tokens, error=f"sampling failed: {type(e).__name__}: {e}")
+        return self._postprocess(request, 0, result)
 
     def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
         banned = []
@@ -160,7 +216,6 @@ class Engine:
             params=[r.sampling for r in requests],
             output_ids=[r.output_token_ids for r in requests],
             prompt_ids=[r.prompt_token_ids for r in requests],
-            generators=[self._generators.get(r.request_id) for r in requests],
             banned_ids=banned)
 
     def _postprocess(self, request: Request, row: int, result: SampleResult) -> RequestOutput:
@@ -184,7 +239,6 @@ class Engine:
 
     def _forget(self, request_id: str) -> None:
         self._detok.pop(request_id, None)
-        self._generators.pop(request_id, None)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[int]]:
         """Offline: run prompts to completion and return each one's output token ids."""

@@ -35,11 +35,19 @@ class WorkerRecord:
     address: str         # gRPC host:port
     capacity: int        # max running requests
     load: int = 0        # running + waiting at the last heartbeat
-    version: str = ""    # compatibility hash: model + dtype + protocol version
+    version: str = ""    # compatibility hash (compatibility_hash): replicas a stream may move between
 
 
-def compatibility_hash(model: str, dtype: str, protocol: str = "tessera.rpc.v1") -> str:
-    return hashlib.sha256(f"{model}|{dtype}|{protocol}".encode()).hexdigest()[:12]
+# Bump when the engine's numerics or sampling change (a resumed stream must draw as it would have).
+ENGINE_VERSION = "tessera-engine-2"
+
+
+def compatibility_hash(model: str, dtype: str, tokenizer: str = "", engine: str = ENGINE_VERSION,
+                       protocol: str = "tessera.rpc.v1") -> str:
+    """Two workers with the same hash produce the same tokens for the same request, so a
+    stream may fail over between them: same model, dtype, tokenizer (a digest of its vocabulary
+    and template), engine version and protocol."""
+    return hashlib.sha256(f"{model}|{dtype}|{tokenizer}|{engine}|{protocol}".encode()).hexdigest()[:12]
 
 
 class RedisRegistry:

@@ -26,6 +26,16 @@ class RequestStatus(enum.Enum):
                         RequestStatus.FINISHED_ABORTED)
 
 
+@dataclass(frozen=True)
+class Resume:
+    """What a request carries to another replica when its worker failed mid-stream: the
+    output tokens already generated, and how many characters of their text the client has
+    already received (the rest, held back by the detokenizer, is still to come)."""
+
+    output_token_ids: tuple[int, ...] = ()
+    text_sent: int = 0
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -42,7 +52,9 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("a request needs at least one prompt token")
-        self.all_token_ids = list(self.prompt_token_ids)
+        # A resumed request (failover) arrives with output already generated elsewhere: it is
+        # prefilled like a preempted one, and counts as output for penalties and limits.
+        self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -1,9 +1,10 @@
 """Sampling as a pure function of (logits, SamplingBatch): same inputs, same tokens.
 
 Order: logprobs of the raw logits (what OpenAI clients see, as in vLLM) -> penalties ->
-min_tokens masking -> greedy argmax, or temperature -> top_k -> top_p -> min_p -> a draw by
-the exponential race argmax(p / E), E ~ Exp(1). A request with a seed draws E from its own
-generator, one row at a time, so its tokens do not depend on what else is in the batch.
+logit_bias -> min_tokens masking -> greedy argmax, or temperature -> top_k -> top_p -> min_p
+-> a draw by the exponential race argmax(p / E), E ~ Exp(1). A request with a seed draws E
+from a generator seeded by (seed, output position) (seeds.py), so its tokens depend neither on
+what else is in the batch nor on which replica or step produced the earlier tokens.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tessera.config import SamplingParams
+from tessera.seeds import draw_seed
 
 
 @dataclass
@@ -19,7 +21,6 @@ class SamplingBatch:
     params: list[SamplingParams]
     output_ids: list[list[int]]          # tokens generated so far, per row
     prompt_ids: list[list[int]]          # for the repetition penalty
-    generators: list[torch.Generator | None]  # a row's own generator when it has a seed
     banned_ids: list[tuple[int, ...]]    # ids masked this step (EOS/stop ids before min_tokens)
 
 
@@ -37,6 +38,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     want_lp = [p.logprobs is not None for p in batch.params]
     raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
     logits = apply_penalties(logits, batch)
+    for row, p in enumerate(batch.params):
+        if p.logit_bias:
+            ids, bias = zip(*p.logit_bias)
+            logits[row, list(ids)] += torch.tensor(bias)
     for row, banned in enumerate(batch.banned_ids):
         if banned:
             logits[row, list(banned)] = float("-inf")
@@ -47,9 +52,16 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
         probs = _filtered_probs(logits[idx], [batch.params[i] for i in random_rows])
         noise = torch.empty_like(probs)
         for j, row in enumerate(random_rows):
-            noise[j].exponential_(generator=batch.generators[row] or default_generator)
+            noise[j].exponential_(generator=_generator(batch, row) or default_generator)
         tokens[idx] = (probs / noise).argmax(dim=-1)
     return _with_logprobs(tokens, raw_lp, batch)
+
+
+def _generator(batch: SamplingBatch, row: int) -> torch.Generator | None:
+    seed = batch.params[row].seed
+    if seed is None:
+        return None
+    return torch.Generator().manual_seed(draw_seed(seed, len(batch.output_ids[row])))
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Protocol
 
 from tessera.config import SamplingParams
+from tessera.request import Resume
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,7 @@ class GenerateInput:
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
     messages: tuple[tuple[str, str], ...] | None = None  # (role, content) pairs: apply the chat template
+    resume: Resume | None = None      # failover: continue a generation another worker began
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class WorkerInfo:
     num_waiting: int = 0
     dtype: str = ""
     role: str = "worker"
+    compat: str = ""      # compatibility hash: a stream fails over only between equal hashes
 
 
 class WorkerError(Exception):
@@ -90,9 +93,16 @@ class Saturated(WorkerError):
 
 
 class Unavailable(WorkerError):
-    """The worker cannot be reached or failed mid-request."""
+    """The worker cannot be reached or failed mid-request (the gateway may fail over)."""
 
     status = 503
+
+
+class InternalError(WorkerError):
+    """The worker is up but failed this request (a bug): 500, and never replayed elsewhere."""
+
+    status = 500
+    code = "internal_error"
 
 
 class WorkerClient(Protocol):

@@ -2,10 +2,12 @@
 monolithic worker, or the M attention nodes of an AFD deployment).
 
 Routing: each request goes to the live member with the fewest requests in flight from this
-gateway. Failover (as Dynamo's migration): when a worker dies mid-request, the request goes
-on on another member with the prompt plus the tokens generated so far, so the client's stream
-continues; a worker that is full (Saturated) before the first token is skipped the same way.
-If no member is left, the request ends with the error. Membership is static (addresses) or
+gateway. Failover (as Dynamo's migration): when a worker dies mid-request (Unavailable), the
+request goes on on another member with the same compatibility hash, carrying its state (the
+output tokens so far, which count as output for penalties, limits and seeded draws, and how
+much text the client got), so the client's stream continues exactly as it would have. A full
+worker (Saturated) before the first token is skipped without being marked down; an internal
+error (500) is never replayed. If no member is left, the request ends with the error. Membership is static (addresses) or
 follows a registry (watch()); during a registry outage the last-known members stay.
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ import logging
 import time
 from typing import AsyncIterator, Callable
 
+from tessera.request import Resume
 from tessera.worker_api import (GenerateChunk, GenerateInput, Saturated, Unavailable, WorkerClient,
                                 WorkerError, WorkerInfo)
 
@@ -32,6 +35,7 @@ class WorkerPool:
         self._owner: dict[str, tuple[str, str]] = {}     # request id -> (address, attempt id)
         self.failovers = 0
         self.routed: dict[str, int] = {}                  # attempts sent to each address
+        self.compat: dict[str, str] = {}                  # address -> compatibility hash
         self.set_members(list(addresses))
 
     def set_members(self, addresses: list[str]) -> None:
@@ -41,58 +45,58 @@ class WorkerPool:
                 self.outstanding[address] = 0
         for address in [a for a in self.clients if a not in addresses and not self.outstanding[a]]:
             del self.clients[address], self.outstanding[address]
+            self.compat.pop(address, None)
 
     @property
     def members(self) -> list[str]:
         return list(self.clients)
 
-    def _pick(self, exclude: set[str]) -> str | None:
+    def _pick(self, exclude: set[str], compat: str | None) -> str | None:
         now = time.monotonic()
-        live = [a for a in self.clients if a not in exclude and self.down_until.get(a, 0) <= now]
+        live = [a for a in self.clients if a not in exclude and self.down_until.get(a, 0) <= now
+                and (compat is None or self.compat.get(a, compat) == compat)]
         return min(live, key=lambda a: self.outstanding[a]) if live else None
 
     async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateChunk]:
+        """Stream from the least-loaded member; on a worker failure go on elsewhere with the
+        generation's state (Resume), so the client sees one uninterrupted stream."""
         tried: set[str] = set()
-        attempt, prompt, generated, prompt_tokens = request, None, [], 0
+        state = _Progress()
         error: WorkerError = Unavailable("no worker is available for this model")
-        while (address := self._pick(tried)) is not None:
+        while (address := self._pick(tried, state.compat)) is not None:
             tried.add(address)
+            state.compat = state.compat or await self._compat(address)
             self.outstanding[address] += 1
             self.routed[address] = self.routed.get(address, 0) + 1
+            attempt = state.attempt(request, len(tried))
             self._owner[request.request_id] = (address, attempt.request_id)
             try:
                 async for chunk in self.clients[address].generate(attempt):
-                    if prompt is None:
-                        prompt, prompt_tokens = list(chunk.prompt_token_ids), chunk.prompt_tokens
-                    elif attempt is not request:      # a resumed stream: report as one request
-                        chunk = dataclasses.replace(chunk, prompt_token_ids=(), prompt_tokens=prompt_tokens,
-                                                    completion_tokens=len(generated) + chunk.completion_tokens)
-                    generated.extend(chunk.token_ids)
-                    yield chunk
+                    yield state.seen(chunk)
                 return
-            except (Unavailable, Saturated) as e:
+            except Saturated as e:      # back-pressure: try another member, mark nobody down
                 error = e
-                if isinstance(e, Saturated) and generated:
+                if state.generated:
                     raise
-                self.down_until[address] = time.monotonic() + (DOWN_FOR_S if isinstance(e, Unavailable) else 0.5)
-                attempt = self._resume(request, prompt, generated, len(tried))
-                if isinstance(e, Unavailable):   # a full queue is back-pressure, not a failover
-                    self.failovers += 1
-                    log.warning("request %s: %s failed (%s); resuming on another worker", request.request_id,
-                                address, e)
+            except Unavailable as e:
+                error = e
+                self.down_until[address] = time.monotonic() + DOWN_FOR_S
+                self.failovers += 1
+                log.warning("request %s: %s failed (%s); resuming on another worker", request.request_id,
+                            address, e)
             finally:
                 self.outstanding[address] -= 1
                 self._owner.pop(request.request_id, None)
         raise error
 
-    @staticmethod
-    def _resume(request: GenerateInput, prompt: list[int] | None, generated: list[int], n: int) -> GenerateInput:
-        if prompt is None:      # nothing came back yet: send the request as it was
-            return dataclasses.replace(request, request_id=f"{request.request_id}-{n}")
-        sampling = request.sampling
-        if sampling.max_tokens is not None:
-            sampling = dataclasses.replace(sampling, max_tokens=max(1, sampling.max_tokens - len(generated)))
-        return GenerateInput(f"{request.request_id}-{n}", sampling, token_ids=tuple(prompt + generated))
+    async def _compat(self, address: str) -> str | None:
+        """The member's compatibility hash (from the registry, else asked once)."""
+        if address not in self.compat:
+            try:
+                self.compat[address] = (await self.clients[address].info(timeout_s=2.0)).compat or ""
+            except WorkerError:
+                return None
+        return self.compat[address] or None
 
     async def abort(self, request_id: str) -> None:
         owner = self._owner.get(request_id)
@@ -115,6 +119,7 @@ class WorkerPool:
         while True:
             try:
                 records = await registry.list(model)
+                self.compat.update({r.address: r.version for r in records if r.version})
                 self.set_members([r.address for r in records])
             except RegistryUnavailable as e:
                 log.warning("registry unavailable (%s): keeping %d known workers", e, len(self.clients))
@@ -123,3 +128,34 @@ class WorkerPool:
     async def close(self) -> None:
         for client in self.clients.values():
             await client.close()
+
+
+class _Progress:
+    """What one request has produced so far across attempts: enough to resume it elsewhere
+    (output tokens, text the client received) and to report it as one request."""
+
+    def __init__(self) -> None:
+        self.prompt: list[int] | None = None
+        self.prompt_tokens = 0
+        self.generated: list[int] = []
+        self.text_sent = 0
+        self.compat: str | None = None     # every attempt runs on replicas with this hash
+
+    def attempt(self, request: GenerateInput, n: int) -> GenerateInput:
+        if n == 1:
+            return request
+        rid = f"{request.request_id}-{n}"
+        if self.prompt is None:      # nothing came back yet: send the request as it was
+            return dataclasses.replace(request, request_id=rid)
+        return dataclasses.replace(request, request_id=rid, text=None, messages=None,
+                                   token_ids=tuple(self.prompt),
+                                   resume=Resume(tuple(self.generated), self.text_sent))
+
+    def seen(self, chunk: GenerateChunk) -> GenerateChunk:
+        if self.prompt is None:
+            self.prompt, self.prompt_tokens = list(chunk.prompt_token_ids), chunk.prompt_tokens
+        elif chunk.prompt_token_ids:     # a resumed attempt's first chunk: the client saw the prompt
+            chunk = dataclasses.replace(chunk, prompt_token_ids=())
+        self.generated.extend(chunk.token_ids)
+        self.text_sent += len(chunk.text)
+        return chunk

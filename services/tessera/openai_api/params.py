@@ -1,10 +1,12 @@
 """OpenAI request -> Tessera SamplingParams and GenerateInputs (one per prompt x n)."""
 from __future__ import annotations
 
-from tessera.config import ConfigError, SamplingParams
+from tessera.config import INT32_MAX, ConfigError, SamplingParams
 from tessera.openai_api.errors import APIError
 from tessera.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from tessera.seeds import choice_seed
 from tessera.worker_api import GenerateInput
+
 
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
                     logprobs: int | None, seed: int | None) -> SamplingParams:
@@ -12,15 +14,26 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: 
         return SamplingParams(
             temperature=1.0 if req.temperature is None else float(req.temperature),
             top_p=1.0 if req.top_p is None else float(req.top_p),
-            top_k=req.top_k or 0, min_p=float(req.min_p or 0.0),
+            top_k=0 if req.top_k in (None, -1) else req.top_k, min_p=float(req.min_p or 0.0),
             presence_penalty=float(req.presence_penalty or 0.0),
             frequency_penalty=float(req.frequency_penalty or 0.0),
             repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
             seed=seed, stop=req.stop_list(), stop_token_ids=tuple(req.stop_token_ids or ()),
             max_tokens=max_tokens, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
-            logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output)
+            logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
+            logit_bias=_logit_bias(req.logit_bias))
     except ConfigError as e:
-        raise APIError(400, str(e), param=str(e).split(" ")[0]) from e
+        raise APIError(400, str(e), param=e.param) from e
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} map as sorted (id, bias) pairs; ranges are SamplingParams'."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not key.strip().isdigit():
+            raise ConfigError(f"logit_bias keys must be token ids, got {key[:32]!r}", "logit_bias")
+        pairs.append((int(key), float(value)))
+    return tuple(sorted(pairs))
 
 
 def chat_inputs(req: ChatCompletionRequest, request_id: str) -> list[GenerateInput]:
@@ -37,7 +50,9 @@ def chat_inputs(req: ChatCompletionRequest, request_id: str) -> list[GenerateInp
                           messages=messages) for j in range(req.n)]
 
 
-def completion_inputs(req: CompletionRequest, request_id: str) -> list[GenerateInput]:
+def completion_inputs(req: CompletionRequest, request_id: str, max_choices: int) -> list[GenerateInput]:
+    """One input per prompt and choice; more than max_choices of them is refused (each is a
+    whole generation, counted as such by admission)."""
     if req.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -45,6 +60,9 @@ def completion_inputs(req: CompletionRequest, request_id: str) -> list[GenerateI
     if req.echo and req.logprobs is not None:
         raise APIError(400, "echo together with logprobs is not supported", "echo")
     prompts = _prompts(req.prompt)
+    if len(prompts) * req.n > max_choices:
+        raise APIError(400, f"{len(prompts)} prompts x n={req.n} is more than the {max_choices} "
+                       "generations one request may ask for", "prompt" if len(prompts) > 1 else "n")
     inputs = []
     for i, prompt in enumerate(prompts):
         for j in range(req.n):
@@ -63,14 +81,18 @@ def _prompts(prompt) -> list:
     if not prompt:
         raise APIError(400, "prompt must not be empty", "prompt")
     if all(isinstance(p, int) for p in prompt):
-        return [prompt]
+        return _prompts([prompt])
     if any(isinstance(p, list) and not p for p in prompt):
         raise APIError(400, "prompt token lists must not be empty", "prompt")
+    if any(isinstance(p, list) and any(not 0 <= t <= INT32_MAX for t in p) for p in prompt):
+        raise APIError(400, "prompt token ids must be integers in [0, 2^31)", "prompt")
     return list(prompt)
 
 
 def _params(req, max_tokens: int | None, logprobs: int | None, j: int) -> SamplingParams:
     """max_tokens None means up to the context (the worker subtracts the prompt length);
-    choice j of n draws with seed + j so that seeded choices differ from each other."""
-    seed = None if req.seed is None else req.seed + j
+    choice j of n draws from its own seed (seeds.choice_seed) so seeded choices differ."""
+    if req.seed is not None and not -2**63 <= req.seed < 2**63:
+        raise APIError(400, "seed must fit in 64 bits", "seed")
+    seed = None if req.seed is None else choice_seed(req.seed, j)
     return sampling_params(req, max_tokens, logprobs, seed)

@@ -50,6 +50,7 @@ class SamplingFields(BaseModel):
     ignore_eos: StrictBool = False
     min_tokens: StrictInt = Field(0, ge=0)
     include_stop_str_in_output: StrictBool = False
+    logit_bias: dict[StrictStr, Number] | None = None   # token id (as a string) -> bias in [-100, 100]
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:

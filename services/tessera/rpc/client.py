@@ -1,21 +1,25 @@
 """GrpcWorkerClient: the gateway's side of the Worker service (WorkerClient interface)."""
 from __future__ import annotations
 
+import asyncio
 from typing import AsyncIterator
 
 import grpc
 
+from tessera import logs
 from tessera.rpc import convert
 from tessera.rpc.v1 import worker_pb2, worker_pb2_grpc
-from tessera.worker_api import GenerateChunk, GenerateInput, WorkerInfo
+from tessera.worker_api import GenerateChunk, GenerateInput, Unavailable, WorkerInfo
 
 _OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
 
 class GrpcWorkerClient:
-    def __init__(self, address: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, address: str, idle_timeout_s: float = 300.0) -> None:
+        """idle_timeout_s: longest wait for the next message of a stream (queueing and prefill
+        included) before the worker is taken for failed; a long healthy stream never hits it."""
         self.address = address
-        self.timeout_s = timeout_s
+        self.idle_timeout_s = idle_timeout_s
         self._channel: grpc.aio.Channel | None = None
         self._stub_obj: worker_pb2_grpc.WorkerStub | None = None
 
@@ -28,10 +32,16 @@ class GrpcWorkerClient:
         return self._stub_obj
 
     async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateChunk]:
-        call = self._stub.Generate(convert.generate_request_to_proto(request), timeout=self.timeout_s,
-                                   metadata=(("x-request-id", request.request_id),))
+        call = self._stub.Generate(convert.generate_request_to_proto(request),
+                                   metadata=(("x-request-id", logs.request_id.get() or request.request_id),))
         try:
-            async for msg in call:
+            while True:    # no deadline on the whole stream: a bound on the wait for each message
+                try:
+                    msg = await asyncio.wait_for(call.read(), self.idle_timeout_s)
+                except asyncio.TimeoutError:
+                    raise Unavailable(f"worker {self.address} sent nothing for {self.idle_timeout_s:.0f} s") from None
+                if msg is grpc.aio.EOF:
+                    return
                 yield convert.chunk_from_proto(msg)
         except grpc.aio.AioRpcError as e:
             raise convert.error_from_status(e.code(), e.details()) from None

@@ -6,10 +6,11 @@ import grpc
 
 from tessera.config import SamplingParams
 from tessera.disagg.control import ConnectReply, ConnectRequest, ExpertInfo, LinkRefused
+from tessera.request import Resume
 from tessera.rpc.v1 import common_pb2, expert_pb2, worker_pb2
-from tessera.worker_api import (ContextLengthExceeded, GenerateChunk, GenerateInput, InvalidRequest,
-                                Saturated, TokenLogprobInfo, TopToken, Unavailable, WorkerError,
-                                WorkerInfo)
+from tessera.worker_api import (ContextLengthExceeded, GenerateChunk, GenerateInput, InternalError,
+                                InvalidRequest, Saturated, TokenLogprobInfo, TopToken, Unavailable,
+                                WorkerError, WorkerInfo)
 
 
 def sampling_to_proto(sp: SamplingParams) -> common_pb2.SamplingParams:
@@ -19,7 +20,7 @@ def sampling_to_proto(sp: SamplingParams) -> common_pb2.SamplingParams:
         repetition_penalty=sp.repetition_penalty, stop=list(sp.stop),
         stop_token_ids=list(sp.stop_token_ids), max_tokens=sp.max_tokens or 0, min_tokens=sp.min_tokens,
         ignore_eos=sp.ignore_eos, logprobs=-1 if sp.logprobs is None else sp.logprobs,
-        include_stop_str_in_output=sp.include_stop_str_in_output)
+        include_stop_str_in_output=sp.include_stop_str_in_output, logit_bias=dict(sp.logit_bias))
     if sp.seed is not None:
         msg.seed = sp.seed
     return msg
@@ -34,11 +35,15 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids), max_tokens=msg.max_tokens or None,
         min_tokens=msg.min_tokens, ignore_eos=msg.ignore_eos,
         logprobs=None if msg.logprobs < 0 else msg.logprobs,
-        include_stop_str_in_output=msg.include_stop_str_in_output)
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+        logit_bias=tuple(sorted(msg.logit_bias.items())))
 
 
 def generate_request_to_proto(req: GenerateInput) -> worker_pb2.GenerateRequest:
     msg = worker_pb2.GenerateRequest(request_id=req.request_id, sampling=sampling_to_proto(req.sampling))
+    if req.resume is not None:
+        msg.resume.CopyFrom(worker_pb2.Resume(output_token_ids=list(req.resume.output_token_ids),
+                                              text_sent=req.resume.text_sent))
     if req.messages is not None:
         msg.chat.CopyFrom(common_pb2.ChatPrompt(
             messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in req.messages],
@@ -56,7 +61,8 @@ def generate_request_from_proto(msg: worker_pb2.GenerateRequest) -> GenerateInpu
         request_id=msg.request_id, sampling=sampling_from_proto(msg.sampling),
         text=msg.text if kind == "text" else None,
         token_ids=tuple(msg.token_ids.ids) if kind == "token_ids" else None,
-        messages=tuple((m.role, m.content) for m in msg.chat.messages) if kind == "chat" else None)
+        messages=tuple((m.role, m.content) for m in msg.chat.messages) if kind == "chat" else None,
+        resume=Resume(tuple(msg.resume.output_token_ids), msg.resume.text_sent) if msg.HasField("resume") else None)
 
 
 def chunk_to_proto(c: GenerateChunk) -> worker_pb2.GenerateResponse:
@@ -86,12 +92,12 @@ def info_to_proto(i: WorkerInfo) -> worker_pb2.InfoResponse:
     return worker_pb2.InfoResponse(
         model_id=i.model_id, max_model_len=i.max_model_len, num_kv_blocks=i.num_kv_blocks,
         kv_block_size=i.kv_block_size, num_free_kv_blocks=i.num_free_kv_blocks,
-        num_running=i.num_running, num_waiting=i.num_waiting, dtype=i.dtype, role=i.role)
+        num_running=i.num_running, num_waiting=i.num_waiting, dtype=i.dtype, role=i.role, compat=i.compat)
 
 
 def info_from_proto(m: worker_pb2.InfoResponse) -> WorkerInfo:
     return WorkerInfo(m.model_id, m.max_model_len, m.num_kv_blocks, m.kv_block_size,
-                      m.num_free_kv_blocks, m.num_running, m.num_waiting, m.dtype, m.role)
+                      m.num_free_kv_blocks, m.num_running, m.num_waiting, m.dtype, m.role, m.compat)
 
 
 # WorkerError <-> gRPC status. The error class travels in the details as "<code>|<param>|<message>".
@@ -114,6 +120,8 @@ def error_from_status(code: grpc.StatusCode, details: str | None) -> WorkerError
         return Saturated(message)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
         return Unavailable(f"worker unavailable: {message}")
+    if code == grpc.StatusCode.INTERNAL and err_code == InternalError.code:
+        return InternalError(message)
     return WorkerError(f"worker error ({code.name}): {message}")
 
 

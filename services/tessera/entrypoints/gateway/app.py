@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 import uuid
 
@@ -58,9 +59,12 @@ def create_app(client: WorkerClient, model_name: str, background=(), admission: 
 
 class RequestIdMiddleware:
     """Pure ASGI (not BaseHTTPMiddleware, whose wrapped receive channel can hand a streaming
-    response a spurious http.disconnect): reads or makes X-Request-Id, echoes it, counts /v1/
-    responses by status, writes one access-log line per request, and refuses bodies larger than
-    max_body_bytes with 413 (by Content-Length, or while a chunked body arrives)."""
+    response a spurious http.disconnect). Gives every request a unique internal id (the
+    engine's; a client's X-Request-Id is kept for logs and echoed, never used as an id, so two
+    clients sending the same one cannot collide), counts /v1/ responses by status, writes one
+    access-log line per request, refuses bodies larger than max_body_bytes with 413 (by
+    Content-Length, or while a chunked body arrives), then checks the API key on /v1/ and
+    /health (401) before any route validates the body or looks up the model."""
 
     def __init__(self, app, metrics: GatewayMetrics, admission: Admission) -> None:
         self.app, self.metrics, self.admission = app, metrics, admission
@@ -69,9 +73,11 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        rid = headers.get(b"x-request-id", b"").decode("latin-1")[:128] or uuid.uuid4().hex
+        rid = uuid.uuid4().hex
+        # printable ASCII only: it travels on in gRPC metadata and log lines
+        client_rid = re.sub(r"[^!-~]", "", headers.get(b"x-request-id", b"").decode("latin-1"))[:128] or rid
         scope.setdefault("state", {})["request_id"] = rid
-        logs.request_id.set(rid)
+        logs.request_id.set(client_rid)
         path = scope.get("path", "")
         counted, t0, status = path.startswith("/v1/"), time.monotonic(), [0]
         limit = self.admission.config.max_body_bytes
@@ -80,7 +86,7 @@ class RequestIdMiddleware:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
                 message = dict(message, headers=[*message.get("headers", []),
-                                                 (b"x-request-id", rid.encode("latin-1"))])
+                                                 (b"x-request-id", client_rid.encode("latin-1"))])
                 if counted:
                     self.metrics.count(message["status"])
             await send(message)
@@ -91,14 +97,28 @@ class RequestIdMiddleware:
                 receive, too_large = await _buffer_body(receive, limit)   # chunked: read it first
             else:
                 too_large = int(length or 0) > limit   # the server holds the body to its Content-Length
-            if too_large:
-                await error_response(self._too_large(limit))(scope, receive, send_with_id)
+            refusal = self._too_large(limit) if too_large else await self._authenticate(scope, headers, path)
+            if refusal is not None:
+                await error_response(refusal)(scope, receive, send_with_id)
             else:
                 await self.app(scope, receive, send_with_id)
         finally:
             if counted:
                 logs.event(access_log, "request", method=scope.get("method"), path=path, status=status[0],
                            duration_ms=round((time.monotonic() - t0) * 1000, 1))
+
+    async def _authenticate(self, scope, headers: dict, path: str) -> APIError | None:
+        if not (path.startswith("/v1/") or path == "/health"):
+            return None
+        peer = (scope.get("client") or ("unknown",))[0]
+        forwarded = headers.get(b"x-forwarded-for", b"").decode("latin-1") or None
+        client = self.admission.client_address(peer, forwarded)
+        authorization = headers.get(b"authorization", b"").decode("latin-1") or None
+        try:
+            scope["state"]["api_key"] = await self.admission.authenticate(authorization, client)
+        except APIError as e:
+            return e
+        return None
 
     def _too_large(self, limit: int) -> APIError:
         return self.admission.reject(413, f"Request body larger than {limit} bytes.", "request_too_large")
@@ -184,7 +204,7 @@ def _add_openai_routes(app: FastAPI, client: WorkerClient, metrics: GatewayMetri
     async def completions(body: CompletionRequest, request: Request):
         await check_model(body.model)
         rid = request.state.request_id
-        inputs = completion_inputs(body, rid)
+        inputs = completion_inputs(body, rid, admission.config.max_choices)
         logprobs = body.logprobs is not None
         shape = StreamShape(f"cmpl-{rid}", model_name, False, _usage(body), logprobs, body.n)
         choices = await _run(request, inputs, shape if body.stream else None)
@@ -196,7 +216,7 @@ def _add_openai_routes(app: FastAPI, client: WorkerClient, metrics: GatewayMetri
     async def _run(request: Request, inputs: list[GenerateInput], shape: StreamShape | None):
         """Admit, then run to completion (choices) or start an SSE stream (StreamingResponse);
         the admission ticket is released when the request ends, however it ends."""
-        ticket = await admission.admit(request.headers.get("authorization"))
+        ticket = await admission.admit(getattr(request.state, "api_key", None), len(inputs))
         metered = _Metered(client, ticket)
         if shape is None:
             try:
@@ -240,11 +260,14 @@ def _add_ops_routes(app: FastAPI, client: WorkerClient, metrics: GatewayMetrics,
         """Deep health: one greedy token through the worker's engine loop, with a deadline."""
         probe = GenerateInput(f"health-{uuid.uuid4().hex[:8]}", SamplingParams(temperature=0, max_tokens=1),
                               token_ids=(0,))
+        ticket = admission.hold()     # a probe runs an engine step: bounded like any request
         t0 = time.monotonic()
         try:
             await asyncio.wait_for(collect(client, [probe], None), HEALTH_TIMEOUT_S)
         except (asyncio.TimeoutError, WorkerError) as e:
             return JSONResponse({"status": "unhealthy", "error": str(e) or "timeout"}, status_code=503)
+        finally:
+            ticket.release()
         return {"status": "ok", "engine_roundtrip_s": round(time.monotonic() - t0, 4)}
 
     @app.get("/metrics")
