@@ -19,7 +19,8 @@ class LocalWorkerClient:
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
 
-    async def info(self) -> WorkerInfo:
+    async def info(self, timeout_s: float = 5.0) -> WorkerInfo:
+        """Answers at once (no network): timeout_s is there for the WorkerClient interface."""
         return self.engine.info()
 
     async def close(self) -> None:

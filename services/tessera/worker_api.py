@@ -106,11 +106,16 @@ class InternalError(WorkerError):
 
 
 class WorkerClient(Protocol):
+    """What the gateway calls; GrpcWorkerClient, its in-process twin LocalWorkerClient and
+    WorkerPool all satisfy it (tests/test_interfaces.py type-checks that with mypy)."""
+
     def generate(self, request: GenerateInput) -> AsyncIterator[GenerateChunk]: ...
 
     async def abort(self, request_id: str) -> None: ...
 
-    async def info(self) -> WorkerInfo: ...
+    async def info(self, timeout_s: float = 5.0) -> WorkerInfo:
+        """The worker's model and load; WorkerError (Unavailable) when it does not answer in timeout_s."""
+        ...
 
     async def close(self) -> None: ...
 

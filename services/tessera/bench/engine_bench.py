@@ -76,9 +76,10 @@ def run_hf(model_path: str, batch: int, input_len: int, output_len: int, dtype: 
 
 
 def main(a: argparse.Namespace) -> int:
-    from tessera.cli import engine_config
+    from tessera.config import EngineConfig
     from tessera.engine import Engine
-    engine = Engine(engine_config(a))
+    from tessera.entrypoints.flags import from_args
+    engine = Engine(from_args(EngineConfig, a))
     rows = [run_engine(engine, int(b), a.input_len, a.output_len) for b in a.batch_sizes.split(",") if b]
     for b in (x for x in a.hf_reference.split(",") if x):
         rows.append(run_hf(a.model, int(b), a.input_len, a.output_len, a.hf_dtype))

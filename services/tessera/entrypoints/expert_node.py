@@ -3,6 +3,8 @@ tessera.rpc.v1.ExpertNode (control only) and grpc.health.v1."""
 from __future__ import annotations
 
 import logging
+import signal
+import sys
 from concurrent import futures
 
 import grpc
@@ -56,7 +58,9 @@ def load_expert_node(model: str, dtype: str, name: str, index: int, count: int, 
                       index, count, timeout_s)
 
 
-def serve(node: ExpertNode, host: str, port: int) -> None:
+def serve(node: ExpertNode, host: str, port: int, shutdown_grace_s: float = 30.0) -> None:
+    """Serve until SIGTERM / SIGINT; then refuse new calls and give the ones in flight
+    shutdown_grace_s to finish."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     expert_pb2_grpc.add_ExpertNodeServicer_to_server(ExpertNodeServicer(node), server)
     health_servicer = health.HealthServicer()
@@ -64,6 +68,12 @@ def serve(node: ExpertNode, host: str, port: int) -> None:
     for name in ("", SERVICE):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     bound = server.add_insecure_port(f"{host}:{port}")
+
+    def drain(*_) -> None:
+        health_servicer.enter_graceful_shutdown()
+        server.stop(shutdown_grace_s)     # returns at once; wait_for_termination() then ends
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, drain)
     server.start()
     log.info("expert node %s (shard %d/%d) on %s:%d", node.name, node.shard_index, node.shard_count, host, bound)
     print(f"tessera expert node {node.name} ready on {host}:{bound}", flush=True)
@@ -71,3 +81,20 @@ def serve(node: ExpertNode, host: str, port: int) -> None:
         server.wait_for_termination()
     finally:
         node.close()
+
+
+def main(model: str, dtype: str, name: str, shard_index: int, shard_count: int, transport: str,
+         host: str, port: int, advertise: str | None = None, experts: tuple[int, ...] | None = None,
+         threads: int | None = None, shutdown_grace_s: float = 30.0) -> int:
+    """`tessera expert-node`: exit 2 with a message for an expert set this model does not have."""
+    if threads:
+        import torch
+        torch.set_num_threads(threads)
+    try:
+        node = load_expert_node(model, dtype, name, shard_index, shard_count, transport,
+                                advertise=advertise, experts=experts)
+    except ValueError as e:
+        print(f"tessera expert-node: {e}", file=sys.stderr)
+        return 2
+    serve(node, host, port, shutdown_grace_s)
+    return 0

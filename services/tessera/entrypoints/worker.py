@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 
 import grpc
@@ -64,10 +65,11 @@ async def _watch_health(engine: AsyncEngine, health_servicer: health.HealthServi
 
 
 async def serve(config: EngineConfig, host: str, port: int, build=None, role: str = "worker",
-                registration=None, metrics_port: int | None = None) -> None:
+                registration=None, metrics_port: int | None = None, shutdown_grace_s: float = 30.0) -> None:
     """build() makes the engine (default: a monolithic one); an attention node passes its own.
     registration = (redis url, key prefix, advertised address) registers it with heartbeats;
-    metrics_port serves the worker's Prometheus metrics over HTTP."""
+    metrics_port serves the worker's Prometheus metrics over HTTP. Serves until SIGTERM or
+    SIGINT, then drains (see _drain)."""
     engine = AsyncEngine(build() if build is not None else Engine(config), role=role)
     if metrics_port:
         from tessera.metrics import serve_worker_metrics
@@ -77,18 +79,33 @@ async def serve(config: EngineConfig, host: str, port: int, build=None, role: st
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
+    stopping = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stopping.set)
     await server.start()
-    watcher = asyncio.create_task(_watch_health(engine, health_servicer))
-    registered = asyncio.create_task(_register(engine, config, role, registration)) if registration else None
+    tasks = [asyncio.create_task(_watch_health(engine, health_servicer))]
+    if registration:
+        tasks.append(asyncio.create_task(_register(engine, config, role, registration)))
     log.info("worker %s serving on %s:%d", engine.engine.model_id, host, bound)
     print(f"tessera worker ready on {host}:{bound}", flush=True)
     try:
-        await server.wait_for_termination()
+        await stopping.wait()
+        await _drain(server, health_servicer, tasks, shutdown_grace_s)
     finally:
-        watcher.cancel()
-        if registered is not None:
-            registered.cancel()
+        for task in tasks:
+            task.cancel()
         engine.shutdown()
+
+
+async def _drain(server: grpc.aio.Server, health_servicer: health.HealthServicer, tasks, grace_s: float) -> None:
+    """Leave the registry at once (the gateway stops routing here), say NOT_SERVING, refuse new
+    requests, and give the ones in flight up to grace_s to finish."""
+    log.info("draining: deregistering, finishing in-flight requests (up to %.0f s)", grace_s)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)   # _register's finally removes the record
+    health_servicer.enter_graceful_shutdown()
+    await server.stop(grace_s)
 
 
 async def _register(engine: AsyncEngine, config: EngineConfig, role: str, registration) -> None:
@@ -113,3 +130,11 @@ async def _register(engine: AsyncEngine, config: EngineConfig, role: str, regist
         except Exception:
             pass
         await registry.close()
+
+
+def main(config: EngineConfig, host: str, port: int, registration=None, metrics_port: int | None = None,
+         shutdown_grace_s: float = 30.0) -> int:
+    """`tessera worker`."""
+    asyncio.run(serve(config, host, port, registration=registration, metrics_port=metrics_port,
+                      shutdown_grace_s=shutdown_grace_s))
+    return 0

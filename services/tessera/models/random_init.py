@@ -9,6 +9,8 @@ import pathlib
 import torch
 from safetensors.torch import save_file
 
+from tessera.models.default_model import default_tokenizer
+
 _BASE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
              rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1,
@@ -100,6 +102,5 @@ def write_random_model(arch: str, out: str | pathlib.Path, seed: int = 0, shards
         weight_map |= dict.fromkeys(part, file)
     if shards > 1:
         (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    from tessera.tokenizer import load_tokenizer
-    load_tokenizer("smollm2").save_pretrained(str(out))
+    default_tokenizer().save_pretrained(str(out))   # not tessera.tokenizer: it resolves models (a cycle)
     return out

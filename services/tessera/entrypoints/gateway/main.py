@@ -1,0 +1,125 @@
+"""The gateway process: find the workers (a static list, or the registry), build the app
+(app.py) with its admission (admission.py), and serve it with uvicorn until SIGTERM / Ctrl-C,
+which stops accepting and gives in-flight requests (streams too) shutdown_grace_s to finish."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import time
+from dataclasses import dataclass, field
+
+from tessera.entrypoints.gateway.admission import Admission, AdmissionConfig, digest
+
+# Flags of AdmissionConfig (help from its fields' comments; a new field gets --its-name).
+# require_key follows from the keys given (with_keys).
+ADMISSION_FLAGS = dict(
+    names={"key_digests": "--api-key-sha256", "keys_from_redis": "--api-keys-from-redis"},
+    exclude=("require_key",),
+    helps={"key_digests": "accepted key, as its SHA-256 hex (repeatable)",
+           "rpm": "default requests per minute per key (0: none)",
+           "tpm": "default tokens per minute per key (0: none)"})
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=8000, metadata={"help": "HTTP port"})
+    worker: tuple[str, ...] = field(default=(), metadata={
+        "help": "worker gRPC address (repeat for several; default $TESSERA_WORKER or 127.0.0.1:50051)"})
+    registry: str | None = field(default=None, metadata={
+        "help": "Redis URL: route to the workers registered there (default $TESSERA_REGISTRY)"})
+    registry_prefix: str = field(default="tessera", metadata={"help": "key prefix of this deployment in Redis"})
+    served_model_name: str | None = field(default=None, metadata={"help": "model id (default: the worker's)"})
+    wait_s: float = field(default=300.0, metadata={"help": "how long to wait for a first worker"})
+    shutdown_grace_s: float = field(default=30.0, metadata={
+        "help": "on SIGTERM / Ctrl-C: time in-flight requests get to finish"})
+
+
+def with_keys(config: AdmissionConfig, api_keys: list[str] | None) -> AdmissionConfig:
+    """Add --api-key and $TESSERA_API_KEYS keys (kept only as SHA-256 digests); keys are
+    required when any is given or keys come from Redis."""
+    keys = [k for k in (api_keys or []) + os.environ.get("TESSERA_API_KEYS", "").split(",") if k]
+    digests = tuple(dict.fromkeys(config.key_digests + tuple(digest(k) for k in keys)))
+    return dataclasses.replace(config, key_digests=digests,
+                               require_key=bool(digests) or config.keys_from_redis)
+
+
+def main(config: GatewayConfig, admission: AdmissionConfig) -> int:
+    import uvicorn
+
+    from tessera.entrypoints.gateway.app import create_app
+    from tessera.rpc.client import GrpcWorkerClient
+    from tessera.worker_pool import WorkerPool
+
+    registry_url = config.registry or os.environ.get("TESSERA_REGISTRY")
+    if admission.keys_from_redis and not registry_url:
+        raise SystemExit("--api-keys-from-redis needs --registry (the Redis URL)")
+    background, client = [], None
+    if registry_url:
+        from tessera.registry import RedisRegistry
+        registry = RedisRegistry(registry_url, prefix=config.registry_prefix)
+        record = asyncio.run(_wait_for_registered(registry_url, config.registry_prefix,
+                                                  config.served_model_name, config.wait_s))
+        model = record.model
+        pool = WorkerPool(GrpcWorkerClient, [record.address])
+        background.append(lambda: pool.watch(registry, model))
+        client, source = pool, f"registry {registry_url}"
+    else:
+        workers = list(config.worker) or [os.environ.get("TESSERA_WORKER", "127.0.0.1:50051")]
+        model = asyncio.run(_wait_for_worker(workers[0], config.wait_s)).model_id
+        client = GrpcWorkerClient(workers[0]) if len(workers) == 1 else WorkerPool(GrpcWorkerClient, workers)
+        source = ", ".join(workers)
+    app = create_app(client, config.served_model_name or model, background,
+                     Admission(admission, registry_url, config.registry_prefix))
+    print(f"tessera gateway on http://{config.host}:{config.port} -> {source} ({model})", flush=True)
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning",
+                timeout_graceful_shutdown=config.shutdown_grace_s)
+    return 0
+
+
+async def _wait_for_registered(url: str, prefix: str, model: str | None, wait_s: float):
+    from tessera.registry import RedisRegistry, RegistryUnavailable
+    registry = RedisRegistry(url, prefix=prefix)
+    deadline = time.monotonic() + wait_s
+    try:
+        while True:
+            try:
+                records = await registry.list(model)
+                if records:
+                    return records[0]
+            except RegistryUnavailable:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit(f"no worker registered in {url} within {wait_s:.0f} s")
+            await asyncio.sleep(0.5)
+    finally:
+        await registry.close()
+
+
+async def _wait_for_worker(address: str, wait_s: float):
+    from tessera.rpc.client import GrpcWorkerClient
+    from tessera.worker_api import WorkerError
+    deadline = time.monotonic() + wait_s
+    while True:
+        client = GrpcWorkerClient(address)
+        try:
+            return await client.info(timeout_s=2.0)
+        except WorkerError:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"worker at {address} did not answer within {wait_s:.0f} s")
+            await asyncio.sleep(0.5)
+        finally:
+            await client.close()
+
+
+def keys_add(registry: str, prefix: str, name: str, rpm: int, tpm: int) -> int:
+    """Create an API key: its SHA-256 and limits go to Redis; the key is printed once."""
+    async def add() -> str:
+        admission = Admission(AdmissionConfig(), registry, prefix)
+        try:
+            return await admission.add_key(name, rpm, tpm)
+        finally:
+            await admission.close()
+    print(asyncio.run(add()))
+    return 0
