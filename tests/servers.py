@@ -172,3 +172,52 @@ def redis_url():
         return
     with redis_server() as server:
         yield server.url
+
+
+class Logged:
+    """`tessera ARGS` with its output and its children's (stdout and stderr) collected line by
+    line, for tests that follow a supervisor's "NAME pid PID" and restart lines."""
+
+    def __init__(self, *args: str, env: dict | None = None) -> None:
+        import threading
+        self.args, self.lines = args, []
+        self.proc = subprocess.Popen([sys.executable, "-m", "tessera.cli", *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True,
+                                     env=dict(env or os.environ, TOKENIZERS_PARALLELISM="false"))
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, pattern: str, timeout_s: float = 120.0, count: int = 1):
+        """The count-th line matching the regex (re.search), waiting for it."""
+        import re
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = [m for m in map(re.compile(pattern).search, list(self.lines)) if m]
+            if len(found) >= count:
+                return found[count - 1]
+            if time.monotonic() > deadline or (self.proc.poll() is not None and not found):
+                raise TimeoutError(f"no {pattern!r} (x{count}) from tessera {self.args[0]}:\n" +
+                                   "\n".join(self.lines[-40:]))
+            time.sleep(0.1)
+
+    def pid(self, name: str) -> int:
+        """The pid of the latest start of process NAME."""
+        self.wait_for(rf": {name} pid (\d+)")
+        return self.pids(name)[-1]
+
+    def pids(self, name: str) -> list[int]:
+        """Every pid process NAME has had, in start order."""
+        import re
+        return [int(m[1]) for m in map(re.compile(rf": {name} pid (\d+)").search, list(self.lines)) if m]
+
+    def close(self, timeout_s: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
