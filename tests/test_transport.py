@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from tessera.transport.base import COMBINE, DISPATCH, Tag, TransportError, combine, dispatch
+from tessera.transport.base import COMBINE, DISPATCH, PeerError, Tag, TransportError, combine, dispatch, send_error
 from tessera.transport.local import Fabric
 from tessera.transport import link, nixl
 from tessera.transport.nixl import NixlTransport
@@ -31,12 +31,12 @@ def linked(make_one):
     return build
 
 
-BACKENDS = {"local": local_endpoints, "tcp": linked(lambda n, s: TcpTransport(n, slots=s))}
-if nixl.available():
-    BACKENDS["nixl"] = linked(lambda n, s: NixlTransport(n, slots=s, capacity_bytes=1 << 20, timeout_s=10))
+BACKENDS = {"local": local_endpoints, "tcp": linked(lambda n, s: TcpTransport(n, slots=s)),
+            "nixl": linked(lambda n, s: NixlTransport(n, slots=s, capacity_bytes=1 << 20, timeout_s=10))}
+NO_NIXL = pytest.mark.skipif(not nixl.available(), reason="the nixl package does not import")
 
 
-@pytest.fixture(params=sorted(BACKENDS))
+@pytest.fixture(params=["local", "tcp", pytest.param("nixl", marks=NO_NIXL)])
 def make(request):
     made = []
 
@@ -69,6 +69,21 @@ def test_m2n_dispatch_and_combine_round_trip(make):
             back = combine(eps[a], Tag(1, mb, 0, COMBINE), experts)
             assert back["e2"].dtype == torch.int64 and back["e0"].dtype == torch.bfloat16
             assert torch.equal(back["e1"], sent[a, mb]["e1"].to(torch.bfloat16))
+
+
+def test_error_flag_arrives_as_an_error_and_frees_the_slot(make):
+    """An error sent under a tag (the header's ERROR flag) makes the receiver's recv of that
+    tag raise PeerError with the reason; its slot is free again (one slot: the next message
+    could not land otherwise), and data messages still arrive as data."""
+    eps = make(["a", "e"], slots=1)
+    eps["a"].send("e", Tag(3, 0, 1, DISPATCH), torch.ones(4))
+    assert torch.equal(eps["e"].recv("a", Tag(3, 0, 1, DISPATCH), timeout_s=5), torch.ones(4))
+    eps["e"].release("a", Tag(3, 0, 1, DISPATCH))
+    send_error(eps["e"], "a", Tag(3, 0, 1, COMBINE), "layer 1: message of shape (4,)")
+    with pytest.raises(PeerError, match=r"layer 1: message of shape \(4,\)"):
+        eps["a"].recv("e", Tag(3, 0, 1, COMBINE), timeout_s=5)
+    eps["e"].send("a", Tag(4, 0, 0, COMBINE), torch.arange(3))
+    assert torch.equal(eps["a"].recv("e", Tag(4, 0, 0, COMBINE), timeout_s=5), torch.arange(3))
 
 
 def test_wrong_tag_is_an_error_not_data(make):
@@ -117,7 +132,7 @@ def test_nixl_size_buckets_round_up_by_at_most_an_eighth():
     assert nixl.size_bucket(100, 512) == 512 and nixl.size_bucket(5 << 20, 4 << 20) == 4 << 20
 
 
-@pytest.mark.skipif(not nixl.available(), reason="nixl is not installed")
+@NO_NIXL
 def test_nixl_frees_ride_on_data_and_are_flushed_when_waiting():
     """A released slot's credit travels in the next message to its sender (no notification of
     its own); when no message comes first (the receiver waits on that sender), it is sent
@@ -150,7 +165,7 @@ def test_nixl_frees_ride_on_data_and_are_flushed_when_waiting():
         e.close()
 
 
-@pytest.mark.skipif(not nixl.available(), reason="nixl is not installed")
+@NO_NIXL
 @pytest.mark.parametrize("mode", nixl.ERROR_MODES)
 def test_nixl_error_modes_both_deliver(mode):
     """"none" (the default: UCX may use shared memory on one host) and "peer" (UCX's peer-

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from tessera.batch import build_forward_batch
+from tessera.models.driver import forward
 from tessera.models.llama import CausalLM
 from tessera.models.model_config import ModelConfig
 from tessera.scheduler import StepPlan
@@ -32,5 +33,5 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """float32 logits [S, vocab], one row per plan entry with sample=True, in plan order."""
         batch = build_forward_batch(plan, self.block_size)
-        hidden = self.model(batch, self.kv_caches)
+        hidden = forward(self.model, batch, self.kv_caches)
         return self.model.compute_logits(hidden)

@@ -22,10 +22,7 @@ log = logging.getLogger("tessera.disagg.attention")
 def drop_ffn_weights(model: CausalLM) -> None:
     """The attention side keeps each FFN's norm, router and shared expert; the expert nodes
     hold the rest. Called before loading, so those weights are never read here."""
-    for layer in model.layers:
-        for name in ("mlp", "experts"):
-            if hasattr(layer.ffn, name):
-                setattr(layer.ffn, name, None)
+    model.drop_ffn_compute()
 
 
 def build_attention_engine(config: EngineConfig, afd: AfdConfig, controls: list[ExpertControl],

@@ -1,6 +1,7 @@
 """The attention side of AFD: a model runner (same execute(plan) contract as ModelRunner) that
 keeps embeddings, attention halves, KV cache, FFN norms, routers, shared experts and the LM
-head, and sends each layer's FFN work to the expert nodes over the M2N transport.
+head, and sends each layer's FFN compute to the expert nodes over the M2N transport. The
+layers themselves are models/driver.layer_steps, paused at each FFN compute.
 
 Ping-pong (MegaScale-Infer §3.3): the step's requests are split into m micro-batches that
 move through the layers one behind the other: micro-batch i runs layer l's attention as soon
@@ -21,19 +22,19 @@ from typing import Callable
 import torch
 
 from tessera.batch import ForwardBatch, build_forward_batch
-from tessera.disagg.expert_shard import CONTROL_LAYER, expert_owners, split_range
+from tessera.disagg.expert_shard import CONTROL_LAYER, encode, expert_owners, split_range
 from tessera.model_runner import ModelRunner
-from tessera.models.llama import CausalLM
+from tessera.models.driver import LayerSteps, final_hidden, layer_steps
+from tessera.models.llama import CausalLM, FFNInput
 from tessera.scheduler import StepPlan
-from tessera.transport.base import COMBINE, DISPATCH, Tag, Transport, TransportError
+from tessera.transport.base import COMBINE, DISPATCH, Tag, Transport
 
 
 @dataclass
 class _InFlight:
-    h: torch.Tensor                   # residual stream after attention
-    x: torch.Tensor                   # FFN input (normalized)
+    layer: int
+    x: torch.Tensor                   # the FFN input's hidden states (shape and dtype of the reply)
     selected: list[torch.Tensor | None]  # per expert node: token rows sent (None: all, dense)
-
 
 class AttentionRunner(ModelRunner):
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, transport: Transport,
@@ -82,61 +83,60 @@ class AttentionRunner(ModelRunner):
         batches = [build_forward_batch(StepPlan(tuple(g)), self.block_size) for g in groups]
         for node in self.expert_nodes:
             self.transport.send(node, Tag(self.step, 0, CONTROL_LAYER, DISPATCH), torch.tensor([float(m)]))
-        model = self.model
-        xs = [model.embed_tokens(b.input_ids) for b in batches]
-        ropes = [model.rope(b.positions, xs[0].dtype) for b in batches]
+        model, layers = self.model, range(len(self.model.layers))
+        steps = [layer_steps(model, model.embed_tokens(b.input_ids), b, self.kv_caches, layers) for b in batches]
         # Micro-batch i enters layer l as soon as its layer l-1 reply is back, while the
         # expert nodes work on the micro-batches dispatched after it (the ping-pong).
-        flights: list[_InFlight | None] = [None] * m
-        for l, (layer, kv) in enumerate(zip(model.layers, self.kv_caches)):
-            for i, b in enumerate(batches):
-                if l:
-                    xs[i] = self._combine(l - 1, i, flights[i], model.layers[l - 1].ffn)
-                t0 = time.perf_counter()
-                flights[i] = self._dispatch(l, i, xs[i] + layer.attn(xs[i], b, kv, ropes[i]), layer.ffn)
-                self.attn_s += time.perf_counter() - t0
-        last = len(model.layers) - 1
-        xs = [self._combine(last, i, f, model.layers[last].ffn) for i, f in enumerate(flights)]
-        hidden = torch.cat([model.norm(x[b.logits_idx]) for x, b in zip(xs, batches)])
+        flights = [self._advance(i, s, None) for i, s in enumerate(steps)]
+        for _ in layers:
+            flights = [self._advance(i, s, self._combine(i, f)) for i, (s, f) in enumerate(zip(steps, flights))]
+        hidden = torch.cat([final_hidden(model, x, b) for x, b in zip(flights, batches)])
         self.step += 1
         return model.compute_logits(hidden)
 
-    def _dispatch(self, layer: int, mb: int, h: torch.Tensor, ffn) -> _InFlight:
-        x = ffn.norm(h)
+    def _advance(self, mb: int, steps: LayerSteps, y: torch.Tensor | None) -> _InFlight | torch.Tensor:
+        """Hand micro-batch mb its last FFN output y and run it to its next FFN: dispatch that
+        FFN's input and return it in flight, or, past the last layer, return the hidden states."""
+        t0 = time.perf_counter()
+        try:
+            layer, ffn_in = steps.send(y)
+        except StopIteration as done:
+            return done.value
+        flight = self._dispatch(layer, mb, ffn_in)
+        self.attn_s += time.perf_counter() - t0
+        return flight
+
+    def _dispatch(self, layer: int, mb: int, ffn_in: FFNInput) -> _InFlight:
         tag = Tag(self.step, mb, layer, DISPATCH)
-        if not hasattr(ffn, "router"):
+        message = encode(ffn_in)
+        if ffn_in.ids is None:   # dense: every node holds a column range and sees every token
             for node in self.expert_nodes:
-                self.transport.send(node, tag, x)
-            return _InFlight(h, x, [None] * len(self.expert_nodes))
-        ids, weights = ffn.router(x)
-        message = torch.cat([x.float(), ids.float(), weights.float()], dim=-1)
+                self.transport.send(node, tag, message)
+            return _InFlight(layer, ffn_in.x, [None] * len(self.expert_nodes))
         selected = []
-        owners = self.owner[ids]   # [tokens, k]: the node of each chosen expert
+        owners = self.owner[ffn_in.ids]   # [tokens, k]: the node of each chosen expert
         for j, node in enumerate(self.expert_nodes):
             rows = (owners == j).any(dim=-1).nonzero().squeeze(1)
             self.transport.send(node, tag, message[rows])
             self.tokens_out += int(rows.numel())
             selected.append(rows)
-        return _InFlight(h, x, selected)
+        return _InFlight(layer, ffn_in.x, selected)
 
-    def _combine(self, layer: int, mb: int, f: _InFlight, ffn) -> torch.Tensor:
-        tag = Tag(self.step, mb, layer, COMBINE)
-        out = torch.zeros_like(f.h)
+    def _combine(self, mb: int, f: _InFlight) -> torch.Tensor:
+        """The FFN output of one micro-batch: the sum of the expert nodes' partial outputs (an
+        expert node that rejected the message raises PeerError here)."""
+        tag = Tag(self.step, mb, f.layer, COMBINE)
+        y = torch.zeros_like(f.x)
         for node, rows in zip(self.expert_nodes, f.selected):
             t0 = time.perf_counter()
             reply = self.transport.recv(node, tag, self.timeout_s)
             self.wait_s += time.perf_counter() - t0
-            if reply.dtype == torch.int32:   # the expert node rejected what we sent
-                self.transport.release(node, tag)
-                raise TransportError(f"expert node {node} rejected {tag}")
             if rows is None:
-                out += reply
+                y += reply
             else:
-                out.index_add_(0, rows, reply.to(out.dtype))
+                y.index_add_(0, rows, reply.to(y.dtype))
             self.transport.release(node, tag)
-        if getattr(ffn, "shared", None) is not None:
-            out = out + torch.sigmoid(ffn.shared_gate(f.x)) * ffn.shared(f.x)
-        return f.h + out
+        return y
 
     def stop_experts(self) -> None:
         for node in self.expert_nodes:

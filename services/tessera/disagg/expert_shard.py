@@ -1,28 +1,29 @@
 """An expert node's share of the model's FFNs, and the loop that serves attention nodes.
 
-For an MoE layer a shard owns a set of experts (a contiguous range by default, any set with
---experts; the attention node learns each node's set when it connects); for a dense layer it
-owns columns [i0, i1) of the MLP's intermediate dimension, and the attention side adds the
-partial sums. A shard keeps no state between steps.
+A shard holds, per layer, the FFN module cut down to its compute share (ffn.drop_ends and
+ffn.shard): for an MoE layer a set of experts (a contiguous range by default, any set with
+--experts; the attention node learns each node's set when it connects); for a dense layer
+columns [i0, i1) of the MLP's intermediate dimension, and the attention side adds the partial
+sums. A shard keeps no state between steps.
 
-Wire format of one FFN message (attention -> expert), float32 [n, H + 2k]: the normalized
-hidden states, then the token's k expert ids (small integers, exact in float32), then its k
-gate weights; dense layers send [n, H] only. The reply is the partial FFN output [n, H].
+Wire format of one FFN message (attention -> expert): an FFNInput. Routed layers send float32
+[n, H + 2k]: the normalized hidden states, then the token's k expert ids (small integers,
+exact in float32), then its k gate weights; dense layers send [n, H] as they are. The reply is
+the partial FFN output [n, H], or an error (the header's ERROR flag, transport/base.py).
 """
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tessera.layers.moe import Experts
-from tessera.models.llama import CausalLM
+from tessera.models.llama import CausalLM, FFNInput
 from tessera.models.model_config import ModelConfig
-from tessera.transport.base import COMBINE, DISPATCH, Tag, Transport, TransportError
+from tessera.transport.base import COMBINE, DISPATCH, Tag, Transport, TransportError, send_error
 
 log = logging.getLogger("tessera.disagg.expert")
 CONTROL_LAYER = -1   # per step, each attention node first sends [m] (micro-batches); m < 0 stops
@@ -62,19 +63,29 @@ def expert_set(cfg: ModelConfig, index: int, count: int, experts: tuple[int, ...
 
 
 def keep_ffn_share(model: CausalLM, experts: tuple[int, ...]) -> None:
-    """Prune a model before loading to what an expert node holds: every layer's FFN weights
-    (for MoE layers only `experts`), no embedding, attention, norms, routers or LM head, so
-    the checkpoint's other tensors are never read."""
-    model.embed_tokens = model.norm = model.lm_head = None
-    for layer in model.layers:
-        layer.attn = None
-        ffn = layer.ffn
-        for name in ("norm", "router", "shared", "shared_gate"):
-            if getattr(ffn, name, None) is not None:
-                setattr(ffn, name, None)
-        if hasattr(ffn, "experts"):
-            dtype = ffn.experts.gate_up.dtype
-            ffn.experts = Experts(model.config.hidden_size, model.config.moe_intermediate_size, experts).to(dtype)
+    """Prune a model before loading to what an expert node holds (the prune= of load_model):
+    every layer's FFN compute, of MoE layers only `experts`; the checkpoint's other tensors are
+    never read. Dense layers stay whole until ExpertShard.from_model cuts their columns (the
+    checkpoint holds whole matrices)."""
+    model.keep_ffn_compute(experts)
+
+
+def encode(ffn_in: FFNInput) -> torch.Tensor:
+    """An FFN input as one message (see the module docstring)."""
+    if ffn_in.ids is None:
+        return ffn_in.x
+    return torch.cat([ffn_in.x.float(), ffn_in.ids.float(), ffn_in.weights.float()], dim=-1)
+
+
+def decode(message: torch.Tensor, hidden: int, top_k: int, dtype: torch.dtype) -> FFNInput:
+    """The FFN input a message carries, for a layer routing each token to top_k experts (0:
+    dense); a message of another shape raises TransportError."""
+    if message.dim() != 2 or message.shape[1] != hidden + 2 * top_k:
+        raise TransportError(f"message of shape {tuple(message.shape)}, expected [n, {hidden + 2 * top_k}]")
+    x = message[:, :hidden].to(dtype)
+    if not top_k:
+        return FFNInput(x)
+    return FFNInput(x, message[:, hidden:hidden + top_k].long(), message[:, hidden + top_k:].to(dtype))
 
 
 def expert_owners(placement: list[tuple[int, ...]], num_experts: int) -> torch.Tensor:
@@ -94,20 +105,21 @@ def expert_owners(placement: list[tuple[int, ...]], num_experts: int) -> torch.T
     return owner
 
 
-class DenseSlice(nn.Module):
-    """Columns [i0, i1) of a SwiGLU: down[:, i0:i1] (silu(gate[i0:i1] x) * up[i0:i1] x)."""
-
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
-        super().__init__()
-        self.gate, self.up, self.down = gate.contiguous(), up.contiguous(), down.contiguous()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.silu(F.linear(x, self.gate)) * F.linear(x, self.up), self.down)
+def compute_share(ffn: nn.Module, experts: tuple[int, ...] | None, columns: tuple[int, int]) -> nn.Module:
+    """A copy of `ffn` holding only its compute share; the original stays whole (in one process
+    the attention side uses it). The copy shares the weight tensors until shard() cuts them."""
+    held = {id(t): t for t in [*ffn.parameters(), *ffn.buffers()]}
+    part = copy.deepcopy(ffn, held)
+    part.drop_ends()
+    part.shard(experts=experts, columns=columns)
+    return part
 
 
 class ExpertShard:
-    def __init__(self, layers: list[nn.Module], hidden: int, top_k: int, experts: tuple[int, ...] = ()) -> None:
-        self.layers, self.hidden, self.top_k = layers, hidden, top_k
+    def __init__(self, layers: list[nn.Module], hidden: int, dtype: torch.dtype,
+                 experts: tuple[int, ...] = ()) -> None:
+        """layers[l]: layer l's FFN module holding this shard's compute share."""
+        self.layers, self.hidden, self.dtype = layers, hidden, dtype
         self.experts = experts   # the MoE experts held (empty for a dense model)
 
     @classmethod
@@ -117,38 +129,21 @@ class ExpertShard:
         `experts` overrides which experts an MoE shard holds."""
         cfg = model.config
         experts = expert_set(cfg, index, count, experts)
-        layers: list[nn.Module] = []
-        for layer in model.layers:
-            ffn = layer.ffn
-            if hasattr(ffn, "experts"):
-                held = ffn.experts
-                if held.ids != experts:
-                    held = Experts(cfg.hidden_size, cfg.moe_intermediate_size, experts)
-                    rows = [ffn.experts.local[e] for e in experts]
-                    held.gate_up.data = ffn.experts.gate_up.data[rows]
-                    held.down.data = ffn.experts.down.data[rows]
-                layers.append(held)
-            else:
-                inter = cfg.intermediate_size
-                i0, i1 = split_range(inter, count, index)
-                w = ffn.mlp.gate_up_proj.weight.data
-                layers.append(DenseSlice(w[i0:i1], w[inter + i0:inter + i1],
-                                         ffn.mlp.down_proj.weight.data[:, i0:i1]))
-        return cls(layers, cfg.hidden_size, cfg.num_experts_per_tok, experts)
+        columns = split_range(cfg.intermediate_size, count, index)
+        layers = [compute_share(layer.ffn, experts or None, columns) for layer in model.layers]
+        dtype = next(iter(layers[0].parameters())).dtype
+        return cls(layers, cfg.hidden_size, dtype, experts)
 
     @torch.inference_mode()
     def compute(self, layer: int, message: torch.Tensor) -> torch.Tensor:
         if not 0 <= layer < len(self.layers):
             raise TransportError(f"no layer {layer}")
-        module = self.layers[layer]
-        if message.dim() != 2 or message.shape[1] not in (self.hidden, self.hidden + 2 * self.top_k):
-            raise TransportError(f"layer {layer}: message of shape {tuple(message.shape)}")
-        if isinstance(module, DenseSlice):
-            return module(message[:, :self.hidden])
-        h, k = self.hidden, self.top_k
-        dtype = module.gate_up.dtype
-        ids = message[:, h:h + k].long()
-        return module(message[:, :h].to(dtype), ids, message[:, h + k:].to(dtype))
+        ffn = self.layers[layer]
+        try:
+            ffn_in = decode(message, self.hidden, ffn.top_k, self.dtype)
+        except TransportError as e:
+            raise TransportError(f"layer {layer}: {e}") from None
+        return ffn.compute(ffn_in)
 
 
 class ExpertWorker:
@@ -157,7 +152,7 @@ class ExpertWorker:
     Each step starts with a control message (layer CONTROL_LAYER) whose tag carries the step
     number and whose value is m; the thread then answers m micro-batches per layer. A
     malformed or stale message is rejected: the slots held from that sender are dropped, an
-    error reply (an int32 tensor) goes back under the tag that was expected, and the thread
+    error (transport send_error) goes back under the tag that was expected, and the thread
     waits for the next control message. add_source() on a known sender resets its link
     (an attention node that reconnects after an error starts clean)."""
 
@@ -216,16 +211,16 @@ class ExpertWorker:
                     self.compute_s += time.perf_counter() - t0
                     self.batches += 1
                 except (TransportError, RuntimeError, ValueError) as e:
-                    self._reply_error(src, Tag(step, mb, layer, COMBINE))
+                    self._reply_error(src, Tag(step, mb, layer, COMBINE), str(e))
                     raise TransportError(str(e)) from e
                 if self._generation[src] != generation:
                     return   # the attention node reconnected: this step is gone
                 self.tokens_in += message.shape[0]
                 self.transport.send(src, Tag(step, mb, layer, COMBINE), out)
 
-    def _reply_error(self, src: str, tag: Tag) -> None:
+    def _reply_error(self, src: str, tag: Tag, reason: str) -> None:
         try:
-            self.transport.send(src, tag, torch.tensor([1], dtype=torch.int32))
+            send_error(self.transport, src, tag, reason)
         except TransportError:
             pass   # the sender is gone; it resynchronises when it reconnects
 

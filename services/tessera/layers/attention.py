@@ -5,9 +5,12 @@ C kernel (tessera_kernels.paged_attention_cpu, float32) straight from the paged 
 their blocks are gathered whole (one index_select per layer, already [kv_heads, B, L, D] in
 this layout) and query heads sharing a KV head are grouped so GQA needs no copy of K/V.
 Each prefill chunk attends causally, to itself alone when it starts at position 0, else to
-its gathered context with an offset causal mask.
+its gathered context with an offset causal mask; an explicit mask per chunk replaces that
+causal one (tree verification: draft tokens attend to the context and their ancestors only).
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +21,11 @@ from tessera_kernels import paged_attention_cpu
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    batch: ForwardBatch, scale: float) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KV, D]; caches [KV, S, D]; returns [T, H, D]."""
+                    batch: ForwardBatch, scale: float,
+                    masks: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, KV, D]; caches [KV, S, D]; returns [T, H, D].
+    masks[j], when given and not None, is prefill chunk j's bool mask [n, start_pos + n]
+    (True: may attend) in place of the causal one; decode tokens attend to their whole context."""
     k_cache.index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
     v_cache.index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
     if not batch.prefills:
@@ -27,8 +33,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.empty_like(q)
     if batch.decode_token_idx.numel():
         out[batch.decode_token_idx] = _decode(q[batch.decode_token_idx], k_cache, v_cache, batch, scale)
-    for chunk in batch.prefills:
+    for j, chunk in enumerate(batch.prefills):
         s, n = chunk.token_start, chunk.num_tokens
+        mask = chunk.mask if masks is None or masks[j] is None else masks[j]
         qs = q[s:s + n].transpose(0, 1).unsqueeze(0)           # [1, H, n, D]
         if chunk.context_slots is None:
             ks, vs = k[s:s + n].transpose(0, 1), v[s:s + n].transpose(0, 1)
@@ -37,8 +44,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         groups = q.shape[1] // k.shape[1]
         ks = ks.repeat_interleave(groups, dim=0).unsqueeze(0)  # [1, H, L, D]; cheap for one request
         vs = vs.repeat_interleave(groups, dim=0).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=chunk.mask,
-                                           is_causal=chunk.mask is None, scale=scale)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale)
         out[s:s + n] = o.squeeze(0).transpose(0, 1)
     return out
 

@@ -1,4 +1,4 @@
-"""SwiGLU MLP, the dense FFN of the Llama family."""
+"""SwiGLU MLP, the dense FFN of the Llama family; an expert node may hold a column range of it."""
 from __future__ import annotations
 
 import torch
@@ -9,11 +9,25 @@ from torch import nn
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False, device=device)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def columns(self, i0: int, i1: int) -> "SwiGLU":
+        """A new SwiGLU of intermediate columns [i0, i1) (weights copied): the MLP is a sum over
+        its intermediate columns, so the outputs of disjoint column ranges add up to this one's."""
+        inter = self.down_proj.weight.shape[1]
+        if not 0 <= i0 <= i1 <= inter:
+            raise ValueError(f"columns [{i0}, {i1}) outside the MLP's {inter}")
+        w = self.gate_up_proj.weight.data
+        part = SwiGLU(w.shape[1], i1 - i0, device="meta")   # meta: no memory until the weights below
+        part.gate_up_proj.weight = nn.Parameter(torch.cat([w[i0:i1], w[inter + i0:inter + i1]]),
+                                                requires_grad=False)
+        part.down_proj.weight = nn.Parameter(self.down_proj.weight.data[:, i0:i1].contiguous(),
+                                             requires_grad=False)
+        return part

@@ -31,12 +31,13 @@ class Experts(nn.Module):
     """Experts `ids` of a layer (all of them, or an expert node's share, in any order), stacked
     in that order: gate_up [E, 2I, H], down [E, H, I]."""
 
-    def __init__(self, hidden: int, intermediate: int, ids) -> None:
+    def __init__(self, hidden: int, intermediate: int, ids, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.ids = tuple(int(i) for i in ids)
         self.local = {expert: i for i, expert in enumerate(self.ids)}
-        self.gate_up = nn.Parameter(torch.empty(len(self.ids), 2 * intermediate, hidden), requires_grad=False)
-        self.down = nn.Parameter(torch.empty(len(self.ids), hidden, intermediate), requires_grad=False)
+        E = len(self.ids)
+        self.gate_up = nn.Parameter(torch.empty(E, 2 * intermediate, hidden, device=device), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(E, hidden, intermediate, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Sum of w * expert(x) over each token's chosen experts that this module holds."""
@@ -50,3 +51,18 @@ class Experts(nn.Module):
             y = F.linear(F.silu(gate) * up, self.down[e])
             out.index_add_(0, token, y * weights[token, slot, None])
         return out
+
+    def subset(self, ids) -> "Experts":
+        """These experts narrowed to `ids` (held here, in any order), rows copied; self when
+        nothing changes."""
+        ids = tuple(int(i) for i in ids)
+        if ids == self.ids:
+            return self
+        missing = [e for e in ids if e not in self.local]
+        if missing:
+            raise ValueError(f"experts {missing} are not held here (held: {list(self.ids)})")
+        rows = [self.local[e] for e in ids]
+        part = Experts(self.gate_up.shape[2], self.down.shape[2], ids, device="meta")
+        part.gate_up = nn.Parameter(self.gate_up.data[rows], requires_grad=False)
+        part.down = nn.Parameter(self.down.data[rows], requires_grad=False)
+        return part

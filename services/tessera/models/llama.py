@@ -3,12 +3,17 @@
     out = h + ffn(rms_norm(h))
 The attention half and the FFN half are separate modules so that an attention node and an
 expert node can each build only theirs; MoE models (mixtral.py, qwen_moe.py) reuse this file
-and swap the FFN half.
+and swap the FFN half. The FFN half is three steps, so that its middle can run elsewhere:
+    ffn_in = prepare(h)                  norm (and, for MoE, the router's choice)
+    y      = compute(ffn_in)             the MLP or experts: a node may hold a share of them
+    out    = finish(h, ffn_in, y)        h + y (+ the gated shared expert)
+models/driver.py composes these pieces into layers; this file only defines them.
 """
 from __future__ import annotations
 
 import re
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -36,7 +41,9 @@ class LlamaAttention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor],
-                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                rope: tuple[torch.Tensor, torch.Tensor],
+                masks: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
+        """rope: cos, sin of each token's position; masks: see paged_attention."""
         T = x.shape[0]
         qkv = self.qkv_proj(self.norm(x))
         q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
@@ -47,20 +54,51 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, *rope)
-        o = paged_attention(q, k, v, kv[0], kv[1], batch, self.scale)
+        o = paged_attention(q, k, v, kv[0], kv[1], batch, self.scale, masks)
         return self.o_proj(o.reshape(T, -1))
 
 
+@dataclass
+class FFNInput:
+    """What an FFN's compute needs, made by its prepare: the normalized hidden states [T, H]
+    and, for a routed FFN, each token's top-k expert ids [T, k] and gate weights [T, k]."""
+    x: torch.Tensor
+    ids: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+
+
 class LlamaFFN(nn.Module):
-    """The dense FFN half: norm, then SwiGLU."""
+    """The dense FFN half: norm, then SwiGLU. An expert node holds a column range of the MLP
+    (shard(columns=...)); the partial outputs of all ranges sum to the whole."""
+    top_k = 0   # tokens are not routed: every node that holds a share sees every token
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.norm(h))
+    def prepare(self, h: torch.Tensor) -> FFNInput:
+        return FFNInput(self.norm(h))
+
+    def compute(self, ffn_in: FFNInput) -> torch.Tensor:
+        return self.mlp(ffn_in.x)
+
+    def finish(self, h: torch.Tensor, ffn_in: FFNInput, y: torch.Tensor) -> torch.Tensor:
+        return h + y
+
+    def shard(self, experts: Sequence[int] | None = None, columns: tuple[int, int] | None = None) -> None:
+        """Keep intermediate columns [i0, i1) of the MLP (after loading: the checkpoint holds
+        whole matrices); `experts` concerns routed FFNs only."""
+        if columns is not None:
+            self.mlp = self.mlp.columns(*columns)
+
+    def drop_compute(self) -> None:
+        """An attention node: the MLP lives on the expert nodes."""
+        self.mlp = None
+
+    def drop_ends(self) -> None:
+        """An expert node: prepare and finish run on the attention node."""
+        self.norm = None
 
 
 class DecoderLayer(nn.Module):
@@ -74,7 +112,9 @@ FFNFactory = Callable[[ModelConfig, int], nn.Module]
 
 
 class CausalLM(nn.Module):
-    """Embedding, decoder layers, final norm, LM head. kv_caches[i] = (k, v) of layer i."""
+    """Embedding, decoder layers, final norm, LM head. The pieces models/driver.py composes:
+    embed_tokens(ids), rope(positions, dtype), layers[l].attn(x, batch, kv, rope, masks),
+    layers[l].ffn.prepare / compute / finish, norm(x), compute_logits(hidden)."""
 
     def __init__(self, cfg: ModelConfig, make_ffn: FFNFactory = LlamaFFN) -> None:
         super().__init__()
@@ -88,18 +128,22 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
 
-    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-                ) -> torch.Tensor:
-        """Hidden states after the final norm, for the tokens in batch.logits_idx."""
-        x = self.embed_tokens(batch.input_ids)
-        rope = self.rope(batch.positions, x.dtype)
-        for layer, kv in zip(self.layers, kv_caches):
-            h = x + layer.attn(x, batch, kv, rope)
-            x = h + layer.ffn(h)
-        return self.norm(x[batch.logits_idx])
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def drop_ffn_compute(self) -> None:
+        """What an AFD attention node holds: everything but each FFN's MLP or experts."""
+        for layer in self.layers:
+            layer.ffn.drop_compute()
+
+    def keep_ffn_compute(self, experts: Sequence[int] | None = None) -> None:
+        """What an AFD expert node holds: each FFN's compute only, and of a routed FFN only
+        `experts`. Called before loading, so the other tensors are never read."""
+        self.embed_tokens = self.norm = self.lm_head = None
+        for layer in self.layers:
+            layer.attn = None
+            layer.ffn.drop_ends()
+            layer.ffn.shard(experts=experts)
 
     def weight_rules(self) -> list[Rule]:
         """How HF tensor names map onto our parameters (see match_rules)."""

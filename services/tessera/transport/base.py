@@ -6,6 +6,8 @@ micro-batch i lands in slot i % slots, and waits until the previous occupant was
 a buffer is never overwritten before its consumer is done (MegaScale-Infer's "buffer free"
 step). recv() checks the tag: a message for another step or layer is a protocol error, never
 silently used. Buffers are allocated once and grown only when a larger message arrives.
+A peer that cannot answer a message sends an error in its place: the header's ERROR flag set,
+the reason as the payload; the receiver's recv() raises PeerError with that reason.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -22,8 +24,10 @@ DISPATCH, COMBINE = 0, 1
 DTYPES = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16, 3: torch.int64, 4: torch.int32, 5: torch.uint8}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
 ELEMENT_SIZE = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in DTYPES.values()}
-HEADER = struct.Struct("<qiiBBBxQ")   # step, micro_batch, layer, direction, dtype, ndim, nbytes
+HEADER = struct.Struct("<qiiBBBBQ")   # step, micro_batch, layer, direction, dtype, ndim, flags, nbytes
 MAX_NDIM = 8
+ERROR = 1                              # flag: the payload is the reason (utf-8) the peer failed this tag
+MAX_REASON = 1024
 
 
 @dataclass(frozen=True)
@@ -38,10 +42,14 @@ class TransportError(RuntimeError):
     """A malformed, stale or unexpected message, or a peer that did not answer in time."""
 
 
+class PeerError(TransportError):
+    """The peer answered a tag with an error (it rejected what it was sent)."""
+
+
 class Transport(Protocol):
     name: str
 
-    def send(self, dst: str, tag: Tag, tensor: torch.Tensor) -> None: ...
+    def send(self, dst: str, tag: Tag, tensor: torch.Tensor, error: bool = False) -> None: ...
 
     def recv(self, src: str, tag: Tag, timeout_s: float = 30.0) -> torch.Tensor: ...
 
@@ -65,6 +73,12 @@ def dispatch(t: Transport, tag: Tag, parts: dict[str, torch.Tensor]) -> None:
         t.send(dst, tag, tensor)
 
 
+def send_error(t: Transport, dst: str, tag: Tag, reason: str) -> None:
+    """Answer `tag` with an error: dst's recv of that tag raises PeerError(reason)."""
+    payload = reason.encode(errors="replace")[:MAX_REASON]
+    t.send(dst, tag, torch.frombuffer(bytearray(payload), dtype=torch.uint8), error=True)
+
+
 def combine(t: Transport, tag: Tag, sources: list[str], timeout_s: float = 30.0) -> dict[str, torch.Tensor]:
     """Receive one tensor from each named sender (copies: the slots are released at once)."""
     out = {}
@@ -79,6 +93,7 @@ class _Slot:
         with torch.inference_mode(False):   # a plain tensor, even if created under inference_mode
             self.buffer = torch.empty(0, dtype=torch.uint8)
         self.tag: Tag | None = None
+        self.flags = 0
         self.dtype = torch.float32
         self.shape: tuple[int, ...] = ()
         self.views: dict[tuple[torch.dtype, tuple[int, ...]], torch.Tensor] = {}
@@ -100,9 +115,12 @@ class Mailbox:
 
     `poll`, when given, is called while a reader waits: backends whose messages arrive only
     when someone drives the network (NIXL without a progress thread) deliver them from it;
-    it returns whether it delivered anything."""
+    it returns whether it delivered anything. `on_free(src, [(direction, index), ...])`, when
+    given, hears of every slot freed (released, reset, or an error consumed by a reader):
+    backends whose senders wait for credits (NIXL) return them from it."""
 
-    def __init__(self, slots: int = 2, poll=None) -> None:
+    def __init__(self, slots: int = 2, poll=None,
+                 on_free: Callable[[str, list[tuple[int, int]]], None] | None = None) -> None:
         if slots < 1:
             raise ValueError("slots must be >= 1")
         self.slots = slots
@@ -110,6 +128,7 @@ class Mailbox:
         self._epochs: dict[str, int] = {}
         self._cond = threading.Condition()
         self._poll = poll
+        self._on_free = on_free
         self.closed = False
 
     def _slot(self, key: tuple[str, int, int]) -> _Slot:
@@ -122,7 +141,7 @@ class Mailbox:
         return src, tag.direction, tag.micro_batch % self.slots
 
     def put(self, src: str, tag: Tag, dtype: torch.dtype, shape: tuple[int, ...], payload,
-            timeout_s: float = 30.0) -> None:
+            timeout_s: float = 30.0, flags: int = 0) -> None:
         """Copy payload (bytes-like or uint8 tensor) into its slot once that slot is free."""
         nbytes = len(payload) if not isinstance(payload, torch.Tensor) else payload.numel()
         if nbytes != _nbytes(dtype, shape):
@@ -136,7 +155,7 @@ class Mailbox:
                 if slot.buffer.numel() < nbytes:
                     slot.buffer, slot.views = torch.empty(nbytes, dtype=torch.uint8), {}
                 slot.buffer[:nbytes].copy_(_as_uint8(payload))
-            slot.tag, slot.dtype, slot.shape = tag, dtype, shape
+            slot.tag, slot.flags, slot.dtype, slot.shape = tag, flags, dtype, shape
             self._cond.notify_all()
 
     def _spin(self, slot: _Slot, epoch: int, src: str, deadline: float) -> None:
@@ -157,7 +176,7 @@ class Mailbox:
             slot = self._slot((src, direction, index))
             slot.buffer, slot.views = buffer, {}
 
-    def mark(self, src: str, tag: Tag, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    def mark(self, src: str, tag: Tag, dtype: torch.dtype, shape: tuple[int, ...], flags: int = 0) -> None:
         """A one-sided write already put the bytes into the slot's buffer: publish them."""
         with self._cond:
             slot = self._slots.get(self._key(src, tag))
@@ -165,7 +184,7 @@ class Mailbox:
                 raise TransportError(f"message {tag} from {src} landed in a busy or unknown slot")
             if _nbytes(dtype, shape) > slot.buffer.numel():
                 raise TransportError(f"message {tag} from {src} overflows its slot")
-            slot.tag, slot.dtype, slot.shape = tag, dtype, shape
+            slot.tag, slot.flags, slot.dtype, slot.shape = tag, flags, dtype, shape
             self._cond.notify_all()
 
     def get(self, src: str, tag: Tag, timeout_s: float) -> torch.Tensor:
@@ -175,29 +194,42 @@ class Mailbox:
     def take_any(self, src: str, direction: int, micro_batch: int, timeout_s: float,
                  expect: Tag | None = None) -> tuple[Tag, torch.Tensor]:
         """Whatever message the slot holds, with its tag (a receiver that resynchronises after
-        an error reads the step number from it). With `expect`, any other tag is an error."""
-        deadline = time.monotonic() + timeout_s
+        an error reads the step number from it). With `expect`, any other tag is an error.
+        An error message is consumed here (its slot freed) and raised as PeerError."""
+        key = (src, direction, micro_batch % self.slots)
         with self._cond:
-            slot = self._slot((src, direction, micro_batch % self.slots))
-            epoch = self._epochs.get(src, 0)
-            while slot.tag is None and not self.closed and self._epochs.get(src, 0) == epoch:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    what = expect or f"micro-batch {micro_batch} direction {direction}"
-                    raise TransportError(f"no message {what} from {src} within {timeout_s:g} s")
-                if self._poll is None:
-                    self._cond.wait(remaining)
-                    continue
-                self._cond.release()
-                try:
-                    self._spin(slot, epoch, src, deadline)
-                finally:
-                    self._cond.acquire()
-            if slot.tag is None:
-                raise TransportError("transport closed" if self.closed else f"link from {src} was reset")
-            if expect is not None and slot.tag != expect:
+            slot = self._slot(key)
+            self._wait_filled(slot, src, timeout_s, expect or f"micro-batch {micro_batch} direction {direction}")
+            if slot.flags & ERROR:
+                tag, reason = slot.tag, bytes(slot.view().numpy()).decode(errors="replace")
+                slot.tag = None
+                self._cond.notify_all()
+            elif expect is not None and slot.tag != expect:
                 raise TransportError(f"expected {expect} from {src}, slot holds {slot.tag}")
-            return slot.tag, slot.view()
+            else:
+                return slot.tag, slot.view()
+        self._freed(src, [key[1:]])
+        raise PeerError(f"{src} answered {tag} with an error: {reason}")
+
+    def _wait_filled(self, slot: _Slot, src: str, timeout_s: float, what) -> None:
+        """Wait (holding the lock, released while waiting) until the slot holds a message;
+        raise on the deadline, on close, or when the link is reset meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        epoch = self._epochs.get(src, 0)
+        while slot.tag is None and not self.closed and self._epochs.get(src, 0) == epoch:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TransportError(f"no message {what} from {src} within {timeout_s:g} s")
+            if self._poll is None:
+                self._cond.wait(remaining)
+                continue
+            self._cond.release()
+            try:
+                self._spin(slot, epoch, src, deadline)
+            finally:
+                self._cond.acquire()
+        if slot.tag is None:
+            raise TransportError("transport closed" if self.closed else f"link from {src} was reset")
 
     def release(self, src: str, tag: Tag) -> None:
         with self._cond:
@@ -206,10 +238,10 @@ class Mailbox:
                 raise TransportError(f"release of {tag} from {src}, which is not held")
             slot.tag = None
             self._cond.notify_all()
+        self._freed(src, [self._key(src, tag)[1:]])
 
-    def reset(self, src: str) -> list[tuple[int, int]]:
-        """Drop every message held from `src` and wake its readers with an error; returns the
-        (direction, index) of the slots that were held."""
+    def reset(self, src: str) -> None:
+        """Drop every message held from `src` and wake its readers with an error."""
         with self._cond:
             self._epochs[src] = self._epochs.get(src, 0) + 1
             held = []
@@ -218,7 +250,12 @@ class Mailbox:
                     slot.tag = None
                     held.append((direction, index))
             self._cond.notify_all()
-            return held
+        self._freed(src, held)
+
+    def _freed(self, src: str, slots: list[tuple[int, int]]) -> None:
+        """Tell the backend, outside our lock (its own lock may be held while it calls us)."""
+        if self._on_free is not None and slots:
+            self._on_free(src, slots)
 
     def close(self) -> None:
         with self._cond:
@@ -242,13 +279,13 @@ def backoff_s(idle_polls: int) -> float:
     return 0.0002 if idle_polls < 2500 else 0.002
 
 
-def pack_header(tag: Tag, tensor: torch.Tensor) -> bytes:
+def pack_header(tag: Tag, tensor: torch.Tensor, flags: int = 0) -> bytes:
     """Fixed header + shape of one message: the only framing any backend puts on a tensor."""
     if tensor.dtype not in DTYPE_CODES or tensor.dim() > MAX_NDIM:
         raise TransportError(f"cannot send {tensor.dtype} tensor of {tensor.dim()} dims")
     nbytes = tensor.numel() * tensor.element_size()
     return HEADER.pack(tag.step, tag.micro_batch, tag.layer, tag.direction, DTYPE_CODES[tensor.dtype],
-                       tensor.dim(), nbytes) + struct.pack(f"<{tensor.dim()}q", *tensor.shape)
+                       tensor.dim(), flags, nbytes) + struct.pack(f"<{tensor.dim()}q", *tensor.shape)
 
 
 def unpack_fixed(data: bytes, src: str) -> tuple[int, ...]:
@@ -256,21 +293,22 @@ def unpack_fixed(data: bytes, src: str) -> tuple[int, ...]:
     if len(data) < HEADER.size:
         raise TransportError(f"short header from {src}")
     fields = HEADER.unpack_from(data)
-    _, _, _, direction, code, ndim, _ = fields
-    if code not in DTYPES or ndim > MAX_NDIM or direction > 1:
-        raise TransportError(f"malformed header from {src}: dtype {code}, ndim {ndim}, direction {direction}")
+    _, _, _, direction, code, ndim, flags, _ = fields
+    if code not in DTYPES or ndim > MAX_NDIM or direction > 1 or flags & ~ERROR:
+        raise TransportError(f"malformed header from {src}: dtype {code}, ndim {ndim}, direction {direction}, "
+                             f"flags {flags:#x}")
     return fields
 
 
-def unpack_header(data: bytes, src: str) -> tuple[Tag, torch.dtype, tuple[int, ...], int]:
-    """(tag, dtype, shape, nbytes) of a packed header; malformed headers raise TransportError."""
-    step, mb, layer, direction, code, ndim, nbytes = unpack_fixed(data, src)
+def unpack_header(data: bytes, src: str) -> tuple[Tag, torch.dtype, tuple[int, ...], int, int]:
+    """(tag, dtype, shape, nbytes, flags) of a packed header; malformed ones raise TransportError."""
+    step, mb, layer, direction, code, ndim, flags, nbytes = unpack_fixed(data, src)
     if len(data) != HEADER.size + 8 * ndim:
         raise TransportError(f"header from {src} has {len(data)} bytes for {ndim} dims")
     shape = struct.unpack_from(f"<{ndim}q", data, HEADER.size)
     if any(d < 0 for d in shape) or _nbytes(DTYPES[code], shape) != nbytes:
         raise TransportError(f"header from {src}: shape {shape} does not match {nbytes} bytes")
-    return Tag(step, mb, layer, direction), DTYPES[code], shape, nbytes
+    return Tag(step, mb, layer, direction), DTYPES[code], shape, nbytes, flags
 
 
 def _as_uint8(payload) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tessera.transport.base import Mailbox, Tag, TransportError, tensor_bytes
+from tessera.transport.base import ERROR, Mailbox, Tag, TransportError, tensor_bytes
 
 
 class Fabric:
@@ -26,11 +26,12 @@ class LocalTransport:
         self.fabric = fabric
         self.name = name
 
-    def send(self, dst: str, tag: Tag, tensor: torch.Tensor) -> None:
+    def send(self, dst: str, tag: Tag, tensor: torch.Tensor, error: bool = False) -> None:
         box = self.fabric.mailboxes.get(dst)
         if box is None:
             raise TransportError(f"unknown endpoint {dst}")
-        box.put(self.name, tag, tensor.dtype, tuple(tensor.shape), tensor_bytes(tensor))
+        box.put(self.name, tag, tensor.dtype, tuple(tensor.shape), tensor_bytes(tensor),
+                flags=ERROR if error else 0)
 
     def recv(self, src: str, tag: Tag, timeout_s: float = 30.0) -> torch.Tensor:
         return self.fabric.mailboxes[self.name].get(src, tag, timeout_s)

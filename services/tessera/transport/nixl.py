@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tessera.transport.base import Mailbox, Tag, TransportError, backoff_s, pack_header, unpack_header
+from tessera.transport.base import (ERROR, Mailbox, Tag, TransportError, backoff_s, pack_header,
+                                    unpack_header)
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")   # its INFO lines go to stdout (and into --json)
 try:
@@ -104,7 +105,7 @@ class NixlTransport:
         self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
         self.agent.create_backend("UCX", {"ucx_error_handling_mode": error_mode})
         self._lock = threading.Lock()  # the agent is created without internal locking
-        self.mailbox = Mailbox(slots, poll=self._progress)
+        self.mailbox = Mailbox(slots, poll=self._progress, on_free=self._owe)
         self._regions: dict[str, torch.Tensor] = {}
         self._peers: dict[str, _Peer] = {}
         self._writing: set[str] = set()   # peers with writes in flight
@@ -147,11 +148,11 @@ class NixlTransport:
             self._writing.discard(peer)
             self._owing.discard(peer)
 
-    def send(self, dst: str, tag: Tag, tensor: torch.Tensor) -> None:
+    def send(self, dst: str, tag: Tag, tensor: torch.Tensor, error: bool = False) -> None:
         peer = self._peers.get(dst)
         if peer is None:
             raise TransportError(f"unknown endpoint {dst}")
-        header = pack_header(tag, tensor)
+        header = pack_header(tag, tensor, ERROR if error else 0)
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
         nbytes = tensor.numel() * tensor.element_size()
@@ -227,11 +228,10 @@ class NixlTransport:
         return self.mailbox.take_any(src, direction, micro_batch, timeout_s)
 
     def release(self, src: str, tag: Tag) -> None:
-        self.mailbox.release(src, tag)
-        self._owe(src, [(tag.direction, tag.micro_batch % self.slots)])
+        self.mailbox.release(src, tag)   # the freed slot is owed to src (on_free=_owe)
 
     def reset(self, src: str) -> None:
-        self._owe(src, self.mailbox.reset(src))
+        self.mailbox.reset(src)
         self._flush(src)
 
     def close(self) -> None:
@@ -307,8 +307,8 @@ class NixlTransport:
                 if freed >> bit & 1:
                     peer.busy.discard(divmod(bit, peer.slots))
         if kind == _DATA:
-            tag, dtype, shape, _ = unpack_header(message[_NOTE.size:], src)
-            self.mailbox.mark(src, tag, dtype, shape)
+            tag, dtype, shape, _, flags = unpack_header(message[_NOTE.size:], src)
+            self.mailbox.mark(src, tag, dtype, shape, flags)
 
     def _wait(self, ready, what: str) -> None:
         deadline, idle = time.monotonic() + self.timeout_s, 0

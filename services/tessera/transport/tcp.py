@@ -11,7 +11,7 @@ import threading
 
 import torch
 
-from tessera.transport.base import (HEADER, Mailbox, Tag, TransportError, pack_header, tensor_bytes,
+from tessera.transport.base import (ERROR, HEADER, Mailbox, Tag, TransportError, pack_header, tensor_bytes,
                                     unpack_fixed, unpack_header)
 
 log = logging.getLogger("tessera.transport.tcp")
@@ -44,8 +44,8 @@ class TcpTransport:
         self._drop(peer)
         self.peers[peer] = (host, int(port))
 
-    def send(self, dst: str, tag: Tag, tensor: torch.Tensor) -> None:
-        header = pack_header(tag, tensor)
+    def send(self, dst: str, tag: Tag, tensor: torch.Tensor, error: bool = False) -> None:
+        header = pack_header(tag, tensor, ERROR if error else 0)
         payload = tensor_bytes(tensor).numpy()
         sock, lock = self._connection(dst)
         with lock:
@@ -124,8 +124,8 @@ class TcpTransport:
     def _read_frame(self, sock: socket.socket, src: str) -> None:
         fixed = _read_exact(sock, HEADER.size)
         ndim = unpack_fixed(fixed, src)[5]
-        tag, dtype, shape, nbytes = unpack_header(bytes(fixed + _read_exact(sock, 8 * ndim)), src)
-        self.mailbox.put(src, tag, dtype, shape, _read_exact(sock, nbytes))
+        tag, dtype, shape, nbytes, flags = unpack_header(bytes(fixed + _read_exact(sock, 8 * ndim)), src)
+        self.mailbox.put(src, tag, dtype, shape, _read_exact(sock, nbytes), flags=flags)
 
 
 def _read_exact(sock: socket.socket, n: int) -> bytearray:
