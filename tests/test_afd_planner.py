@@ -1,88 +1,117 @@
-"""The AFD performance model, simulator and plan search (pure Python, no processes)."""
+"""The AFD plan search (pure Python, no processes): against MegaScale-Infer's worked numbers
+and choices, against a brute-force search of a small space, and the plan written for this
+machine runs as planned (the topology carries the batch)."""
 from __future__ import annotations
 
+import itertools
 import json
 from types import SimpleNamespace
 
 import pytest
 
+from tessera.cli import build_parser
+from tessera.config import EngineConfig
 from tessera.deploy.topology import Topology
 from tessera.disagg import planner
 from tessera.disagg.plan_cli import main as plan_main
-from tessera.disagg.profile import build_profile, fit, load_profile
-from tessera.disagg.simulator import Linear, StepModel, paper_total, simulate
+from tessera.disagg.profile import build_profile
+from tessera.entrypoints.flags import from_args
+
+MIXTRAL = planner.MODELS["mixtral-8x22b"]
+A100 = planner.Gpu("A100", 2.0, 80, 2000, 312)   # the paper's roofline example: 312 TFLOPS, 2 TB/s
 
 
-def const(t: float) -> Linear:
-    return Linear(0.0, t)
+def test_expert_gemm_roofline_matches_the_papers_a100_example():
+    """MegaScale-Infer §2.3: on an A100 a GEMM needs about F / B = 156 tokens to be compute
+    bound; Mixtral-8x22B (top-2 of 8) at batch 156 gives each expert 39 tokens, 25 % MFU."""
+    def mfu(b):
+        flops = 2 * b * 3 * MIXTRAL.hidden * MIXTRAL.inter
+        return flops / (A100.tflops * 1e12) / planner.expert_time(MIXTRAL, A100, 1, b)
+    tokens_per_expert = 156 * MIXTRAL.top_k / MIXTRAL.experts
+    assert tokens_per_expert == 39
+    assert mfu(39) == pytest.approx(0.25, rel=0.01)
+    assert mfu(156) == pytest.approx(1.0, rel=0.01) and mfu(400) == pytest.approx(1.0)
 
 
-def test_simulator_without_pipeline_is_the_sum_of_its_parts():
-    model = StepModel(const(2e-3), const(3e-3), const(0.5e-3), const(1e-3), layers=4)
-    assert simulate(model, 32, m=1) == pytest.approx(4 * (2e-3 + 3e-3 + 2 * 0.5e-3) + 1e-3)
+def test_dispatch_bytes_match_the_papers_message_size():
+    """MegaScale-Infer §5: Mixtral-8x22B, micro-batch 128, TP 2 -> 196,608 bytes per
+    attention-to-expert connection (one of E = 8)."""
+    assert planner.a2e_bytes(MIXTRAL, 128, 2) / MIXTRAL.experts == 196_608
 
 
-@pytest.mark.parametrize("t_a,t_e,t_c,m", [(2e-3, 2e-3, 0.4e-3, 3), (3e-3, 2e-3, 0.5e-3, 4), (1e-3, 2e-3, 0.2e-3, 3)])
-def test_simulator_matches_megascale_eq5_when_eq3_holds(t_a, t_e, t_c, m):
-    t_f = max(t_a, t_e)
-    assert m * t_f >= 2 * (t_f + t_c)
-    model = StepModel(const(t_a), const(t_e), const(t_c), const(0.0), layers=6)
-    assert simulate(model, 96, m) == pytest.approx(paper_total(t_a, t_e, t_c, m, 6), rel=1e-9)
+def test_search_never_picks_fewer_than_three_micro_batches():
+    """Eq. 3 (m T_f >= 2 (T_f + T_c)) rules out m <= 2 whenever communication takes any time,
+    so even a search allowed m = 1 and 2 lands on m >= 3 (the paper searches from 3)."""
+    plan = planner.search(MIXTRAL, ["H20"], ["L40S"], slo_s=0.150, min_m=1)
+    assert plan is not None and plan.m >= 3 and plan.t_c > 0
 
 
-def test_pipeline_helps_only_when_expert_time_scales_with_tokens():
-    scales = StepModel(Linear(1e-4, 0), Linear(1e-4, 0), const(1e-4), const(0), layers=4)
-    fixed = StepModel(Linear(1e-4, 0), Linear(0, 3.2e-3), const(1e-4), const(0), layers=4)
-    assert simulate(scales, 32, 2) < 0.8 * simulate(scales, 32, 1)
-    assert simulate(fixed, 32, 2) > simulate(fixed, 32, 1)
-
-
-def test_fit_recovers_a_line_and_profiles_round_trip(tmp_path):
-    line = fit([8, 32, 64], [0.001 + 8e-5, 0.001 + 32e-5, 0.001 + 64e-5])
-    assert line.slope == pytest.approx(1e-5) and line.intercept == pytest.approx(1e-3)
-    rows = [{"batch": b, "t_a_ms": 0.1 * b, "t_e_ms": 2 + 0.05 * b, "t_c_ms": 0.3, "t_o_ms": 1.0} for b in (8, 64)]
-    path = tmp_path / "p.json"
-    path.write_text(json.dumps(build_profile(rows, layers=4)))
-    model = load_profile(path)
-    assert model.t_a(10) == pytest.approx(1e-3) and model.t_e(0) == pytest.approx(2e-3)
-    assert model.t_a.slope == pytest.approx(1e-4) and model.t_e.intercept == pytest.approx(2e-3)
-
-
-def test_simulator_interpolates_measured_points_and_fits_outside_them(tmp_path):
-    """An MoE expert's time is concave in b at small b: between measured batches the model
-    follows the measurements, not the line through all of them."""
-    rows = [{"batch": b, "t_a_ms": 1.0, "t_e_ms": e, "t_c_ms": 0.1, "t_o_ms": 1.0}
-            for b, e in ((8, 10.0), (16, 16.0), (32, 17.0), (256, 40.0))]
-    path = tmp_path / "p.json"
-    path.write_text(json.dumps(build_profile(rows, layers=4)))
-    t_e = load_profile(path).t_e
-    assert t_e(16) == pytest.approx(16e-3) and t_e(24) == pytest.approx(16.5e-3)
-    assert t_e(512) == pytest.approx(t_e.fit(512)) and t_e(4) == pytest.approx(t_e.fit(4))
-    assert t_e.fit(16) < 14e-3   # the line alone would miss the measured 16 ms
-
-
-def test_algorithm1_plans_meet_every_constraint_and_balance():
-    shape = planner.MODELS["mixtral-8x22b"]
-    plan = planner.search(shape, ["H20"], ["L40S"], slo_s=0.150)
-    assert plan is not None and all(plan.checks.values())
-    assert plan.t_total <= 0.150 and plan.m >= 3
-    k1, _ = planner.attention_fit(shape, planner.GPUS["H20"], plan.tp_a)
-    k3, _ = planner.expert_fit(shape, planner.GPUS["L40S"], plan.tp_e)
-    assert plan.n_a == max(1, round(k1 * shape.experts / (k3 * shape.top_k)))
-    assert planner.search(shape, ["H20"], ["L40S"], slo_s=1e-4) is None     # no plan meets 0.1 ms
-
-
-def test_heterogeneous_search_is_at_least_as_good_as_homogeneous():
-    shape = planner.MODELS["dbrx"]
+def test_heterogeneous_search_picks_the_papers_pairing():
+    """MegaScale-Infer §4.3: memory-bandwidth-rich H20 for attention, FLOP-cheap L40S for the
+    experts, and better throughput per cost than any single GPU type."""
     names = list(planner.GPUS)
-    homogeneous = max(planner.search(shape, [g], [g]).tpuc for g in names)
-    assert planner.search(shape, names, names).tpuc >= homogeneous
+    for shape in (MIXTRAL, planner.MODELS["dbrx"]):
+        best = planner.search(shape, names, names, slo_s=0.150)
+        assert (best.attention_gpu, best.expert_gpu) == ("H20", "L40S")
+        assert best.tpuc > max(planner.search(shape, [g], [g], slo_s=0.150).tpuc for g in names)
 
 
-def test_plan_here_writes_a_topology_tessera_up_accepts(tmp_path):
-    rows = [{"batch": b, "t_a_ms": 0.05 * b, "t_e_ms": 0.05 * b, "t_c_ms": 0.2, "t_o_ms": 1.0} for b in (8, 64, 256)]
+SMALL = planner.MoeShape("small", layers=8, hidden=2048, inter=4096, experts=8, top_k=2, gqa=4, seq_len=256)
+
+
+def brute_force(shape, ga, ge, slo_s, tps, ms, max_batch):
+    plans = (planner.evaluate(shape, planner.GPUS[ga], planner.GPUS[ge], tp_a, tp_e, m, b, slo_s)
+             for tp_a, tp_e, m in itertools.product(tps, tps, ms) for b in range(1, max_batch + 1))
+    return max((p for p in plans if p), key=lambda p: p.tpuc, default=None)
+
+
+@pytest.mark.parametrize("shape,ga,ge,slo_s", [
+    (SMALL, "A800", "H800", 0.002),       # a constraint other than the SLO stops B below 1024
+    (MIXTRAL, "H20", "L40S", 0.050),      # the SLO stops B below 1024
+    (MIXTRAL, "L20", "L20", 0.150),       # B reaches the space's edge
+    (SMALL, "H20", "L40S", 0.0005)])      # nothing meets the SLO
+def test_algorithm1_finds_what_a_brute_force_search_finds(shape, ga, ge, slo_s):
+    """Binary search for the largest B and the loops over (tp_a, tp_e, m) against every point
+    of a small space (B <= 1024, tp <= 2, m <= 4)."""
+    found = planner.search(shape, [ga], [ge], slo_s, tps=(1, 2), min_m=1, max_batch=1024)
+    expected = brute_force(shape, ga, ge, slo_s, (1, 2), range(1, 5), 1024)
+    if expected is None:
+        assert found is None
+    else:
+        assert (found.tp_a, found.tp_e, found.m, found.batch) == \
+            (expected.tp_a, expected.tp_e, expected.m, expected.batch)
+        assert found.tpuc == pytest.approx(expected.tpuc) and found.t_total <= slo_s
+
+
+def test_no_plan_meets_an_impossible_slo():
+    assert planner.search(MIXTRAL, ["H20"], ["L40S"], slo_s=1e-4) is None
+
+
+def _plan_here(tmp_path, rows, **kw):
     profile, out = tmp_path / "p.json", tmp_path / "plan.yaml"
     profile.write_text(json.dumps(build_profile(rows, layers=4)))
-    plan_main(SimpleNamespace(profile=str(profile), slo_ms=150.0, serve_model="random:mixtral", out=str(out)))
-    topology = Topology.load(out)
-    assert topology.roles["attention_node"].options["micro_batches"] >= 2   # overlap pays here
+    args = dict(profile=str(profile), slo_ms=150.0, serve_model="random:mixtral", out=str(out), context_len=1024)
+    plan_main(SimpleNamespace(**{**args, **kw}))
+    return Topology.load(out)
+
+
+def test_plan_here_is_runnable_as_planned(tmp_path):
+    """The attention node the topology starts runs the planned batch B: B running requests, a
+    step budget for B decode tokens, KV blocks for B requests of --context-len tokens."""
+    rows = [{"batch": b, "t_a_ms": 0.05 * b, "t_e_ms": 0.05 * b, "t_c_ms": 0.2, "t_o_ms": 1.0} for b in (8, 64, 256)]
+    topology = _plan_here(tmp_path, rows, context_len=300)
+    attention = topology.roles["attention_node"].options
+    assert attention["micro_batches"] >= 2   # T_e grows with tokens: the overlap pays
+    batch = attention["max_num_seqs"]
+    (proc,) = [p for p in topology.processes() if p.role == "attention_node"]
+    config = from_args(EngineConfig, build_parser({"attention-node"}).parse_args(list(proc.argv)))
+    assert config.scheduler.max_num_seqs == batch and config.scheduler.max_num_batched_tokens >= batch
+    assert config.cache.num_blocks * config.cache.block_size >= batch * 300
+
+
+def test_plan_here_balances_attention_nodes_against_the_expert(tmp_path):
+    """k1 / k3 = 3: attention is three times as costly per token as the expert, so three
+    attention nodes share one expert node (BALANCE)."""
+    rows = [{"batch": b, "t_a_ms": 0.03 * b, "t_e_ms": 0.01 * b, "t_c_ms": 0.05, "t_o_ms": 0.5} for b in (8, 64, 256)]
+    topology = _plan_here(tmp_path, rows)
+    assert topology.roles["attention_node"].replicas == 3 and topology.roles["expert_node"].replicas == 1

@@ -12,12 +12,15 @@ Kubernetes files (deploy/compose/, deploy/k8s/).
       worker:  {replicas: 2, port: 50051}
       gateway: {replicas: 1, port: 8000}
 
-An expert_node role may say which MoE experts each replica holds, e.g. `experts: ["0,2,4,6",
-"1,3,5,7"]` (default: contiguous ranges). Replica i of a role listens on port + i (distinct ports, so every role can also run side by side
-on one host). With a `redis` role, workers and attention nodes register themselves and the
-gateway discovers them; without it the gateway gets a static --worker list. Roles start in
-dependency order (ROLE_ORDER). Where processes run (one host, compose services, Kubernetes
-pods) is a Placement: it says which address binds and how one reaches replica i of a role.
+A worker or attention_node role may set its engine's limits: max_num_seqs (the batch B),
+max_num_batched_tokens, num_kv_blocks or kv_cache_gib. An expert_node role may say which MoE
+experts each replica holds, e.g. `experts: ["0,2,4,6", "1,3,5,7"]` (default: contiguous
+ranges). Replica i of a role listens on port + i (distinct ports, so every role can also run
+side by side on one host). With a `redis` role, workers and attention nodes register
+themselves and the gateway discovers them; without it the gateway gets a static --worker
+list. Roles start in dependency order (ROLE_ORDER). Where processes run (one host, compose
+services, Kubernetes pods) is a Placement: it says which address binds and how one reaches
+replica i of a role.
 """
 from __future__ import annotations
 
@@ -29,7 +32,11 @@ import yaml
 from tessera.config import ConfigError
 
 ROLE_ORDER = ("redis", "worker", "expert_node", "attention_node", "gateway")
-ROLE_OPTIONS = {"replicas", "port", "threads", "micro_batches", "ffn_timeout_s", "experts"}
+# Engine limits of the roles that run an engine, passed as the flags of the same name: a plan
+# (`tessera plan afd`) sets the batch B (max_num_seqs), a step's token budget and a KV cache
+# that holds B requests.
+ENGINE_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_gib")
+ROLE_OPTIONS = {"replicas", "port", "threads", "micro_batches", "ffn_timeout_s", "experts", *ENGINE_OPTIONS}
 HOST = "127.0.0.1"
 
 
@@ -117,6 +124,9 @@ class Topology:
             if "experts" in spec and (name != "expert_node" or not isinstance(spec["experts"], list)
                                       or len(spec["experts"]) != replicas):
                 raise ConfigError(f"{path}: 'experts' is a list with one expert set per expert_node replica")
+            if name not in ("worker", "attention_node") and set(spec) & set(ENGINE_OPTIONS):
+                raise ConfigError(f"{path}: {sorted(set(spec) & set(ENGINE_OPTIONS))} apply to workers and "
+                                  "attention nodes only")
             roles[name] = Role(name, replicas, int(port), spec)
         if "gateway" not in roles or not ({"worker", "attention_node"} & set(roles)):
             raise ConfigError(f"{path}: a topology needs a gateway and workers or attention nodes")
@@ -158,10 +168,12 @@ class Topology:
         model = ["--model", self.model, "--dtype", self.dtype]
         common = ["--host", place.bind, "--port", port]
         threads = ["--threads", str(role.options["threads"])] if "threads" in role.options else []
+        limits = [a for k in ENGINE_OPTIONS if k in role.options for a in (f"--{k.replace('_', '-')}",
+                                                                           str(role.options[k]))]
         register = (["--registry", self.redis_url(place), "--registry-prefix", self.registry_prefix,
                      "--advertise", place.advertise(role, i)] if self.registry else [])
         if role.name == "worker":
-            return ["worker", *model, *common, *threads, *register]
+            return ["worker", *model, *common, *threads, *limits, *register]
         if role.name == "expert_node":
             experts = ["--experts", str(role.options["experts"][i])] if "experts" in role.options else []
             return ["expert-node", *model, *common, *threads, "--name", f"expert-{i}", "--shard-index", str(i),
@@ -169,7 +181,7 @@ class Topology:
                     *place.transport_host(role, i)]
         if role.name == "attention_node":
             experts = self.roles["expert_node"]
-            argv = ["attention-node", *model, *common, *threads, "--name", f"attention-{i}",
+            argv = ["attention-node", *model, *common, *threads, *limits, "--name", f"attention-{i}",
                     "--transport", self.transport,
                     "--micro-batches", str(role.options.get("micro_batches", 2)), *register,
                     *place.transport_host(role, i)]

@@ -51,7 +51,7 @@ class Window:
         return self.batch * -(-(self.prompt_len + self.max_tokens) // BLOCK_SIZE)
 
 
-def engine_config(model: str, window: Window, threads: int):
+def engine_config(model: str, window: Window, threads: int | None):
     from tessera.config import CacheConfig, EngineConfig, SchedulerConfig
     return EngineConfig(model=model, dtype="float32", num_threads=threads,
                         cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=window.num_blocks),

@@ -1,8 +1,10 @@
 """`tessera plan afd`: print a deployment plan and write a topology file `tessera up` runs.
 
-With --profile (from `tessera profile`), it plans for this machine: the simulator, fed by the
-measured fits, picks the micro-batch count m and batch B with the best predicted throughput
-under the SLO, and BALANCE gives the attention nodes per expert node. Without it, it runs
+With --profile (from `tessera profile`), it plans for this machine: BALANCE gives the
+attention nodes per expert node, and the simulator, fed by the profile, picks the micro-batch
+count m and batch B with the best predicted throughput under the SLO. The topology it writes
+carries B (max_num_seqs, a step budget and a KV cache for B requests of --context-len
+tokens), so `tessera up` runs the plan as planned. Without --profile, it runs
 Algorithm 1 for a GPU-scale model over papers.md §1.5's GPU table (homogeneous and
 heterogeneous pairs). Both are predictions; the README says which numbers were measured.
 """
@@ -25,23 +27,38 @@ def add_args(p) -> None:
     p.add_argument("--expert-gpus", default=",".join(planner.GPUS))
     p.add_argument("--slo-ms", type=float, default=150.0, help="time between tokens limit")
     p.add_argument("--serve-model", default=None, help="model the written topology serves (with --profile)")
+    p.add_argument("--context-len", type=int, default=1024,
+                   help="tokens (prompt + completion) a request may hold: the KV cache holds B of them")
     p.add_argument("--out", default="afd-plan.yaml")
 
 
 def plan_here(a) -> dict:
+    """BALANCE gives the attention nodes per expert node (k1 / k3); then the simulator, fed by
+    the profile, picks the (m, B) with the most tokens/s under the SLO for that deployment
+    (the expert node serving each attention node's micro-batches in turn, as it does)."""
     model = load_profile(a.profile)
-    candidates = [(B / simulate(model, B, m), m, B, simulate(model, B, m))
-                  for m in range(1, 5) for B in (8, 16, 32, 64, 128, 256, 512) if B >= m]
+    n_a = max(1, round(model.t_a.slope / model.t_e.slope)) if model.t_e.slope > 0 else 1
+    candidates = []
+    for m in range(1, 5):
+        for batch in (b for b in (8, 16, 32, 64, 128, 256, 512) if b >= m):
+            t = simulate(model, batch, m, attention_nodes=n_a)
+            candidates.append((n_a * batch / t, m, batch, t))
     feasible = [c for c in candidates if c[3] * 1e3 <= a.slo_ms]
     if not feasible:
         raise SystemExit(f"no (m, B) meets a {a.slo_ms} ms SLO on this profile")
     tok_s, m, batch, t_iter = max(feasible)
-    n_a = max(1, round(model.t_a.slope / model.t_e.slope)) if model.t_e.slope else 1
-    print(f"plan (simulated from the measured profile): m = {m}, batch {batch} per attention node, "
-          f"predicted iteration {t_iter * 1e3:.1f} ms, {tok_s:.0f} tokens/s per attention node; "
-          f"BALANCE: {n_a} attention node(s) per expert node (k1 / k3 = "
-          f"{model.t_a.slope / max(model.t_e.slope, 1e-12):.2f})")
+    print(f"plan (simulated from the measured profile): {n_a} attention node(s) per expert node (BALANCE, "
+          f"k1 / k3 = {model.t_a.slope / max(model.t_e.slope, 1e-12):.2f}), m = {m}, batch {batch} per "
+          f"attention node, predicted iteration {t_iter * 1e3:.1f} ms, {tok_s:.0f} tokens/s in all")
     return {"micro_batches": m, "attention_nodes": n_a, "expert_nodes": 1, "batch": batch}
+
+
+def engine_limits(batch: int, context_len: int, block_size: int = 16) -> dict:
+    """Topology options that make an attention node run the planned batch: B running requests,
+    a step budget that fits B decode tokens with room for prefill, and a KV cache holding B
+    requests of context_len tokens (so none is preempted)."""
+    return {"max_num_seqs": batch, "max_num_batched_tokens": max(512, 2 * batch),
+            "num_kv_blocks": batch * -(-context_len // block_size)}
 
 
 def plan_gpu(a) -> None:
@@ -71,7 +88,8 @@ def main(a) -> int:
         "transport": "auto",
         "roles": {"expert_node": {"replicas": plan["expert_nodes"], "port": 50071, "threads": 1},
                   "attention_node": {"replicas": plan["attention_nodes"], "port": 50061,
-                                     "micro_batches": plan["micro_batches"], "threads": 1},
+                                     "micro_batches": plan["micro_batches"], "threads": 1,
+                                     **engine_limits(plan["batch"], a.context_len)},
                   "gateway": {"replicas": 1, "port": 8000}}}
     pathlib.Path(a.out).write_text(yaml.safe_dump(topology, sort_keys=False))
     print(f"wrote {a.out} (tessera up {a.out})")

@@ -78,24 +78,36 @@ def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     return k, my - k * mx
 
 
-def attention_fit(s: MoeShape, gpu: Gpu, tp: int) -> tuple[float, float]:
-    """(k1, k2) for one micro-batch through one layer's attention half (bf16 roofline)."""
+def attention_time(s: MoeShape, gpu: Gpu, tp: int, b: float) -> float:
+    """One micro-batch of b tokens through one layer's attention half (bf16 roofline)."""
     h, kv_w = s.hidden, s.hidden // s.gqa
     weights = 2 * (h * (h + 2 * kv_w) + h * h) / tp
-    def t(b):
-        flops = 2 * b * (h * (h + 2 * kv_w) + h * h) / tp + 4 * b * s.seq_len * h / tp
-        bytes_ = weights + 2 * 2 * b * s.seq_len * kv_w / tp      # bf16 K and V of b sequences
-        return max(flops / (gpu.tflops * 1e12), bytes_ / (gpu.bw_gbs * 1e9)) + 20e-6 * (tp > 1)
-    return _fit([(b, t(b)) for b in (32, 64, 128, 256, 512)])
+    flops = 2 * b * (h * (h + 2 * kv_w) + h * h) / tp + 4 * b * s.seq_len * h / tp
+    bytes_ = weights + 2 * 2 * b * s.seq_len * kv_w / tp      # bf16 K and V of b sequences
+    return max(flops / (gpu.tflops * 1e12), bytes_ / (gpu.bw_gbs * 1e9)) + 20e-6 * (tp > 1)
+
+
+def expert_time(s: MoeShape, gpu: Gpu, tp: int, b: float) -> float:
+    """One expert's FFN (gate, up, down) on b tokens, one layer (bf16 roofline)."""
+    flops = 2 * b * 3 * s.hidden * s.inter / tp
+    bytes_ = 2 * 3 * s.hidden * s.inter / tp + 4 * b * s.hidden
+    return max(flops / (gpu.tflops * 1e12), bytes_ / (gpu.bw_gbs * 1e9))
+
+
+def attention_fit(s: MoeShape, gpu: Gpu, tp: int) -> tuple[float, float]:
+    """(k1, k2): the paper's linear T_a, fitted to the roofline where decode batches lie."""
+    return _fit([(b, attention_time(s, gpu, tp, b)) for b in (32, 64, 128, 256, 512)])
 
 
 def expert_fit(s: MoeShape, gpu: Gpu, tp: int) -> tuple[float, float]:
-    """(k3, k4) for one expert's FFN on b_e tokens of one micro-batch, one layer."""
-    weights = 2 * 3 * s.hidden * s.inter / tp
-    def t(b):
-        flops = 2 * b * 3 * s.hidden * s.inter / tp
-        return max(flops / (gpu.tflops * 1e12), (weights + 4 * b * s.hidden) / (gpu.bw_gbs * 1e9))
-    return _fit([(b, t(b)) for b in (64, 128, 256, 512, 1024)])
+    """(k3, k4): the paper's linear T_e for b_e tokens of one micro-batch."""
+    return _fit([(b, expert_time(s, gpu, tp, b)) for b in (64, 128, 256, 512, 1024)])
+
+
+def a2e_bytes(s: MoeShape, b_a: float, tp_a: int) -> float:
+    """Bytes one attention GPU dispatches per micro-batch: each of b_a tokens' bf16 hidden
+    state to its K experts, the hidden dimension split over tp_a GPUs."""
+    return 2 * b_a * s.hidden * s.top_k / tp_a
 
 
 def evaluate(s: MoeShape, ga: Gpu, ge: Gpu, tp_a: int, tp_e: int, m: int, batch: int, slo_s: float):
@@ -107,7 +119,7 @@ def evaluate(s: MoeShape, ga: Gpu, ge: Gpu, tp_a: int, tp_e: int, m: int, batch:
     b_e = batch * s.top_k / (m * s.experts)
     t_a, t_e = k1 * b_a + k2, k3 * b_e + k4
     t_f = max(t_a, t_e)
-    t_c = max(2 * b_a * s.hidden * s.top_k / tp_a / (ga.net_gbs * 1e9),
+    t_c = max(a2e_bytes(s, b_a, tp_a) / (ga.net_gbs * 1e9),
               2 * b_e * s.hidden / tp_e / (ge.net_gbs * 1e9))
     t_total = paper_total(t_a, t_e, t_c, m, s.layers)
     params_a = 2 * s.layers * (s.hidden * (s.hidden + 2 * s.hidden // s.gqa) + s.hidden ** 2) + 4 * s.vocab * s.hidden
@@ -124,7 +136,7 @@ def evaluate(s: MoeShape, ga: Gpu, ge: Gpu, tp_a: int, tp_e: int, m: int, batch:
 
 
 def search(s: MoeShape, attention_gpus: list[str], expert_gpus: list[str], slo_s: float = 0.150,
-           tps=(1, 2, 4, 8), max_m: int = 4, min_m: int = 3) -> Plan | None:
+           tps=(1, 2, 4, 8), max_m: int = 4, min_m: int = 3, max_batch: int = 1 << 16) -> Plan | None:
     """Algorithm 1: for each (tp_e, tp_a) and m, the largest B meeting the SLO (binary search),
     keeping the plan with the best throughput per cost; heterogeneous over GPU pairs."""
     best = None
@@ -133,14 +145,14 @@ def search(s: MoeShape, attention_gpus: list[str], expert_gpus: list[str], slo_s
             for tp_e in tps:
                 for tp_a in tps:
                     for m in range(min_m, max_m + 1):
-                        plan = _largest_batch(s, GPUS[ga], GPUS[ge], tp_a, tp_e, m, slo_s)
+                        plan = _largest_batch(s, GPUS[ga], GPUS[ge], tp_a, tp_e, m, slo_s, max_batch)
                         if plan and (best is None or plan.tpuc > best.tpuc):
                             best = plan
     return best
 
 
-def _largest_batch(s, ga, ge, tp_a, tp_e, m, slo_s) -> Plan | None:
-    lo, hi, found = m, 1 << 16, None
+def _largest_batch(s, ga, ge, tp_a, tp_e, m, slo_s, max_batch) -> Plan | None:
+    lo, hi, found = m, max_batch, None
     while lo <= hi:
         mid = (lo + hi) // 2
         plan = evaluate(s, ga, ge, tp_a, tp_e, m, mid, slo_s)
