@@ -53,3 +53,23 @@ def test_bad_topologies_are_refused(tmp_path, text, error):
     path.write_text(text)
     with pytest.raises(ConfigError, match=error):
         Topology.load(path)
+
+
+def test_engine_limits_reach_workers_and_attention_nodes(tmp_path):
+    """A plan's batch B is runnable as planned: the limits become the engine flags."""
+    spec = tmp_path / "t.yaml"
+    spec.write_text("model: random:mixtral\nroles: {gateway: {port: 1}, expert_node: {port: 3},"
+                    " attention_node: {port: 2, max_num_seqs: 256, max_num_batched_tokens: 512,"
+                    " num_kv_blocks: 16384}}")
+    argv = {p.role: p.argv for p in Topology.load(spec).processes()}
+    attention = argv["attention_node"]
+    assert [attention[attention.index(f) + 1] for f in ("--max-num-seqs", "--max-num-batched-tokens",
+                                                          "--num-kv-blocks")] == ["256", "512", "16384"]
+    assert "--max-num-seqs" not in argv["expert_node"] and "--max-num-seqs" not in argv["gateway"]
+
+
+def test_engine_limits_on_a_role_without_an_engine_are_refused(tmp_path):
+    spec = tmp_path / "t.yaml"
+    spec.write_text("roles: {gateway: {port: 1, max_num_seqs: 8}, worker: {port: 2}}")
+    with pytest.raises(ConfigError, match="workers and attention nodes only"):
+        Topology.load(spec)
