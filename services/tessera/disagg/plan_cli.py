@@ -10,6 +10,7 @@ heterogeneous pairs). Both are predictions; the README says which numbers were m
 """
 from __future__ import annotations
 
+import json
 import pathlib
 
 import yaml
@@ -26,7 +27,8 @@ def add_args(p) -> None:
     p.add_argument("--attention-gpus", default=",".join(planner.GPUS))
     p.add_argument("--expert-gpus", default=",".join(planner.GPUS))
     p.add_argument("--slo-ms", type=float, default=150.0, help="time between tokens limit")
-    p.add_argument("--serve-model", default=None, help="model the written topology serves (with --profile)")
+    p.add_argument("--serve-model", default=None,
+                   help="model the written topology serves (default: the one the profile measured)")
     p.add_argument("--context-len", type=int, default=1024,
                    help="tokens (prompt + completion) a request may hold: the KV cache holds B of them")
     p.add_argument("--out", default="afd-plan.yaml")
@@ -83,8 +85,11 @@ def main(a) -> int:
         plan_gpu(a)
         return 0
     plan = plan_here(a)
+    # The plan's times are the profiled model's: serve that model unless told otherwise.
+    taken = json.loads(pathlib.Path(a.profile).read_text()).get("taken", {})
     topology = {
-        "name": pathlib.Path(a.out).stem, "model": a.serve_model or "random:mixtral", "dtype": "float32",
+        "name": pathlib.Path(a.out).stem, "model": a.serve_model or taken.get("model", "random:mixtral"),
+        "dtype": "float32",
         "transport": "auto",
         "roles": {"expert_node": {"replicas": plan["expert_nodes"], "port": 50071, "threads": 1},
                   "attention_node": {"replicas": plan["attention_nodes"], "port": 50061,
