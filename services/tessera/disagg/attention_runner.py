@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from tessera.batch import ForwardBatch, build_forward_batch
+from tessera.batch import build_forward_batch
 from tessera.disagg.expert_shard import CONTROL_LAYER, encode, expert_owners, split_range
 from tessera.model_runner import ModelRunner
 from tessera.models.driver import LayerSteps, final_hidden, layer_steps
