@@ -95,7 +95,7 @@ def test_per_key_request_and_token_limits_in_redis(engine, redis):
 
     def app():   # a fresh gateway each time: the counters live in Redis, not in the process
         return create_app(LocalWorkerClient(engine), "tiny",
-                          admission=Admission(AdmissionConfig(require_key=True), redis, prefix))
+                          admission=Admission(AdmissionConfig(require_key=True, keys_from_redis=True), redis, prefix))
 
     auth = {"Authorization": f"Bearer {few_requests}"}
     responses = run(app(), *[("POST", "/v1/completions", {"json": BODY, "headers": auth})] * 5)

@@ -112,6 +112,7 @@ def test_gateway_failover_yields_the_same_text_and_usage(twins, stream):
                                      timeout=120) as c:
             if not stream:
                 r = (await c.post("/v1/chat/completions", json=body)).json()
+                assert "choices" in r, r
                 return r["choices"][0]["message"]["content"], r["usage"]
             text, usage = "", None
             async with c.stream("POST", "/v1/chat/completions", json=body) as r:

@@ -50,7 +50,7 @@ def test_saturated_worker_answers_503_with_retry_after(tiny_engine):
 
 
 def test_unreachable_worker_is_503_not_500():
-    app = create_app(GrpcWorkerClient(f"127.0.0.1:{free_port()}", timeout_s=5), "m")
+    app = create_app(GrpcWorkerClient(f"127.0.0.1:{free_port()}", idle_timeout_s=5), "m")
 
     async def main():
         async with asgi(app) as c:
@@ -74,7 +74,7 @@ def test_worker_killed_mid_stream_ends_with_error_event(tiny_models):
     from servers import tessera_worker
 
     with tessera_worker("--model", tiny_models["llama"]) as (address, worker):
-        app = create_app(GrpcWorkerClient(address, timeout_s=30), "tiny")
+        app = create_app(GrpcWorkerClient(address, idle_timeout_s=30), "tiny")
         body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1500, "ignore_eos": True, "stream": True}
 
         async def main():
@@ -94,7 +94,9 @@ def test_worker_killed_mid_stream_ends_with_error_event(tiny_models):
 
 
 def test_failed_engine_step_fails_its_requests_and_the_worker_keeps_serving(tiny_models):
-    from tessera.worker_api import GenerateInput, Unavailable
+    """A step that raises (not a lost peer) is an internal error for its requests: 500, never
+    a failover that could replay a poison request on the next replica."""
+    from tessera.worker_api import GenerateInput, InternalError
     from tessera.config import SamplingParams
     cfg = EngineConfig(model=tiny_models["llama"], dtype="float32", cache=CacheConfig(block_size=4, num_blocks=64))
     engine = AsyncEngine(Engine(cfg))
@@ -117,7 +119,7 @@ def test_failed_engine_step_fails_its_requests_and_the_worker_keeps_serving(tiny
         return tokens
 
     try:
-        with pytest.raises(Unavailable, match="injected"):
+        with pytest.raises(InternalError, match="injected"):
             asyncio.run(asyncio.wait_for(run("first"), 30))
         assert engine.alive and engine.engine.kv.num_free_blocks == engine.engine.kv.num_blocks
         assert len(asyncio.run(asyncio.wait_for(run("second"), 30))) == 8
