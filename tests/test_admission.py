@@ -5,6 +5,7 @@ OpenAI error JSON on every refusal."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 
 import httpx
@@ -154,3 +155,41 @@ def test_worker_serves_its_own_prometheus_metrics(engine):
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio", "kv_cache_free_blocks"):
         assert f'tessera_worker_{name}{{model_name="' in text, name
+
+
+def test_authentication_comes_before_validation_and_model_lookup(engine):
+    """Without a key a caller learns nothing: a bad body or unknown model is 401, not 400/404;
+    /health (it runs an engine step) needs the key too; /health/live stays open."""
+    config = AdmissionConfig(require_key=True, key_digests=(digest("sk-good"),))
+    app = create_app(LocalWorkerClient(engine), "tiny", admission=Admission(config))
+    good = {"Authorization": "Bearer sk-good"}
+    bad_body, other_model, health, live, health_ok, bad_with_key = run(
+        app, ("POST", "/v1/completions", {"json": {"model": "tiny", "prompt": [1], "top_p": "x"}}),
+        ("POST", "/v1/completions", {"json": dict(BODY, model="nope")}),
+        ("GET", "/health", {}), ("GET", "/health/live", {}), ("GET", "/health", {"headers": good}),
+        ("POST", "/v1/completions", {"json": {"model": "tiny", "prompt": [1], "top_p": "x"}, "headers": good}))
+    for r in (bad_body, other_model, health):
+        assert_error(r, 401, "invalid_api_key")
+    assert live.status_code == 200 and health_ok.status_code == 200
+    assert bad_with_key.status_code == 400
+
+
+def test_unknown_keys_are_bounded_and_repeated_failures_are_429(engine, redis):
+    config = AdmissionConfig(require_key=True, keys_from_redis=True, key_cache_size=8, auth_failures_per_min=5,
+                             trusted_proxies=("127.0.0.1",))
+    admission = Admission(config, redis, f"test-neg-{uuid.uuid4().hex[:8]}")
+    app = create_app(LocalWorkerClient(engine), "tiny", admission=admission)
+    responses = run(app, *[("POST", "/v1/completions",
+                            {"json": BODY, "headers": {"Authorization": f"Bearer sk-{i}",
+                                                       "X-Forwarded-For": f"10.0.0.{i % 3}"}})
+                           for i in range(30)])
+    assert {r.status_code for r in responses} == {401}   # 3 forwarded addresses x 10 tries, not trusted
+    assert len(admission._keys) <= 8
+    # the ASGI test client's peer is not 127.0.0.1, so X-Forwarded-For is ignored: one address
+    strict = Admission(dataclasses.replace(config, trusted_proxies=()), redis, "x")
+    app = create_app(LocalWorkerClient(engine), "tiny", admission=strict)
+    statuses = [r.status_code for _ in range(8) for r in run(
+        app, ("POST", "/v1/completions", {"json": BODY, "headers": {"Authorization": "Bearer sk-x"}}))]
+    assert statuses.count(401) == 5 and statuses.count(429) == 3
+    assert Admission(config).client_address("127.0.0.1", "203.0.113.9, 10.1.1.1") == "203.0.113.9"
+    assert Admission(config).client_address("192.0.2.1", "203.0.113.9") == "192.0.2.1"

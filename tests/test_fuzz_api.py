@@ -1,7 +1,9 @@
-"""Fuzz the HTTP API (hypothesis) in process against the twin worker: arbitrary JSON, raw
-bytes, and request-shaped bodies with hostile values (negative, huge, wrong types, unknown
-token ids, odd Unicode, NaN) never get a 5xx, every refusal is OpenAI error JSON, and the
-server answers a normal request afterwards."""
+"""Fuzz the HTTP API (hypothesis): in process against the twin worker, and against the real
+gateway and worker processes of `tessera serve`. Arbitrary JSON, raw bytes, and request-shaped
+bodies with hostile values (negative, huge, wrong types, unknown token ids, stop_token_ids,
+logit_bias, long prompt lists, odd Unicode, NaN) never get a 500; 503 only as back-pressure
+with Retry-After; every refusal is OpenAI error JSON; requests running alongside the fuzzer
+all succeed, and the server answers a normal request afterwards."""
 from __future__ import annotations
 
 import asyncio
@@ -69,11 +71,15 @@ optional = {"max_tokens": small_or_wild, "temperature": small_or_wild, "top_p": 
             "presence_penalty": small_or_wild, "frequency_penalty": small_or_wild,
             "logit_bias": st.dictionaries(st.text(max_size=6), wild, max_size=3), "echo": st.booleans() | wild,
             "stream_options": st.one_of(st.none(), st.fixed_dictionaries({"include_usage": st.booleans() | wild})),
-            "min_tokens": small_or_wild, "ignore_eos": st.booleans()}
+            "min_tokens": small_or_wild, "ignore_eos": st.booleans(),
+            "stop_token_ids": st.one_of(st.lists(st.integers(-5, 2**40), max_size=3), wild),
+            "repetition_penalty": small_or_wild, "min_p": small_or_wild}
+token_bias = st.dictionaries(st.integers(-3, 2**40).map(str), st.one_of(st.integers(-150, 150), wild), max_size=3)
+prompts = st.one_of(text, st.lists(st.integers(-5, 2**40), max_size=6), st.lists(text, max_size=3),
+                    st.lists(st.lists(st.integers(0, 60000), min_size=1, max_size=3), max_size=100), wild)
 shaped = st.fixed_dictionaries(
     {"model": st.sampled_from(["tiny", "other", ""])},
-    optional={"messages": messages, "prompt": st.one_of(text, st.lists(st.integers(-5, 10**6), max_size=6),
-                                                        st.lists(text, max_size=3), wild), **optional})
+    optional={"messages": messages, "prompt": prompts, **optional, "logit_bias": token_bias | optional["logit_bias"]})
 
 
 @FUZZ
@@ -97,3 +103,43 @@ def test_request_shaped_bodies(app, path, body):
 def test_still_serving_after_the_fuzz(app):
     r = send(app, "/v1/completions", json.dumps({"model": "tiny", "prompt": "ok", "max_tokens": 3}).encode())
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def check_live(r: httpx.Response) -> None:
+    """Against live processes, 503 is allowed as back-pressure only, with Retry-After."""
+    if r.status_code == 503:
+        assert r.headers.get("retry-after") and r.json()["error"]["type"], r.text[:300]
+    else:
+        check(r)
+
+
+@pytest.mark.e2e
+def test_fuzz_the_real_gateway_while_others_are_served(tiny_models):
+    import threading
+
+    from servers import tessera_serve
+    with tessera_serve("--model", tiny_models["llama"], "--dtype", "float32", "--max-model-len", "96",
+                       "--served-model-name", "tiny", "--max-inflight", "64") as url:
+        ok = json.dumps({"model": "tiny", "prompt": "ok", "max_tokens": 4, "ignore_eos": True}).encode()
+        bystanders, stop = [], threading.Event()
+
+        def bystander() -> None:
+            with httpx.Client(base_url=url, timeout=60) as c:
+                while not stop.is_set():
+                    r = c.post("/v1/completions", content=ok, headers={"content-type": "application/json"})
+                    bystanders.append((r.status_code, r.text[:200]))
+        thread = threading.Thread(target=bystander)
+        thread.start()
+        try:
+            with httpx.Client(base_url=url, timeout=60) as c:
+                @settings(FUZZ, max_examples=150)
+                @given(path=st.sampled_from(PATHS), body=shaped)
+                def fuzz(path, body):
+                    check_live(c.post(path, content=json.dumps(body).encode(),
+                                      headers={"content-type": "application/json"}))
+                fuzz()
+        finally:
+            stop.set()
+            thread.join()
+        assert bystanders and all(status == 200 for status, _ in bystanders), \
+            [b for b in bystanders if b[0] != 200][:3]

@@ -61,8 +61,11 @@ def test_redis_outage_is_an_error_the_caller_can_survive():
 
 
 async def stream_text(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> tuple[str, list]:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+    # seeded sampling, penalties, min_tokens and a stop string: a resumed stream must carry
+    # the generation's state to reproduce it (seeded draws, penalty counts, held-back text)
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "seed": 7,
+            "frequency_penalty": 0.5, "presence_penalty": 0.3, "min_tokens": 20, "stop": ["<|zz", "\n\n\n"],
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
     text, events = "", []
     async with client.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
@@ -72,7 +75,9 @@ async def stream_text(client: httpx.AsyncClient, model: str, prompt: str, max_to
                 import json
                 data = json.loads(line[6:])
                 assert "error" not in data, data
-                text += data["choices"][0]["text"]
+                if data.get("usage"):
+                    events.append(data["usage"])
+                text += "".join(c["text"] for c in data["choices"])
     return text, events
 
 
@@ -94,11 +99,11 @@ def test_sigkill_a_worker_with_8_streams_in_flight(redis, tiny_models):
                     workers[0][1].send_signal(signal.SIGKILL)
                     killed_at = time.monotonic()
                 done = await asyncio.gather(*tasks)
-                return [t for t, _ in done], (time.monotonic() - killed_at if kill_after_s else 0)
+                return [(t, e[-1]) for t, e in done], (time.monotonic() - killed_at if kill_after_s else 0)
 
         expected, _ = asyncio.run(run(None))
         texts, after_kill = asyncio.run(run(1.0))
-        assert texts == expected          # every stream completed, token for token
+        assert texts == expected          # every stream completed: same text, same usage
         assert after_kill < 30
 
         async def registered():

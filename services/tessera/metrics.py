@@ -31,12 +31,13 @@ class WorkerCollector:
             yield family
 
 
-def serve_worker_metrics(engine, role: str, port: int) -> None:
-    """Prometheus text on http://0.0.0.0:port/metrics (a thread of prometheus_client)."""
+def serve_worker_metrics(engine, role: str, port: int, host: str = "127.0.0.1") -> None:
+    """Prometheus text on http://host:port/metrics (a thread of prometheus_client), on the
+    worker's configured host, never every interface by default."""
     from prometheus_client import start_http_server
     registry = CollectorRegistry()
     registry.register(WorkerCollector(engine, role))
-    start_http_server(port, registry=registry)
+    start_http_server(port, addr=host, registry=registry)
 
 
 class GatewayMetrics:

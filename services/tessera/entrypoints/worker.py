@@ -73,7 +73,7 @@ async def serve(config: EngineConfig, host: str, port: int, build=None, role: st
     engine = AsyncEngine(build() if build is not None else Engine(config), role=role)
     if metrics_port:
         from tessera.metrics import serve_worker_metrics
-        serve_worker_metrics(engine, role, metrics_port)
+        serve_worker_metrics(engine, role, metrics_port, host)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine), server)
     health_servicer = health.HealthServicer()
@@ -112,11 +112,11 @@ async def _register(engine: AsyncEngine, config: EngineConfig, role: str, regist
     """Heartbeat this worker's record (with its current load) into the registry until cancelled."""
     import uuid
 
-    from tessera.registry import RedisRegistry, WorkerRecord, compatibility_hash, heartbeat
+    from tessera.registry import RedisRegistry, WorkerRecord, heartbeat
     url, prefix, address = registration
     registry = RedisRegistry(url, prefix=prefix)
     worker_id = f"{role}-{address}-{uuid.uuid4().hex[:6]}"
-    version = compatibility_hash(engine.engine.model_id, config.dtype)
+    version = engine.compat    # model, resolved dtype, tokenizer, engine version
 
     def record() -> WorkerRecord:
         info = engine.info()
