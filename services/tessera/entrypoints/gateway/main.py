@@ -34,6 +34,9 @@ class GatewayConfig:
     wait_s: float = field(default=300.0, metadata={"help": "how long to wait for a first worker"})
     shutdown_grace_s: float = field(default=30.0, metadata={
         "help": "on SIGTERM / Ctrl-C: time in-flight requests get to finish"})
+    stream_idle_timeout_s: float = field(default=300.0, metadata={
+        "help": "a worker that sends nothing on a stream for this long is taken for failed "
+                "(queueing and prefill included; no limit on a stream's total length)"})
 
 
 def with_keys(config: AdmissionConfig, api_keys: list[str] | None) -> AdmissionConfig:
@@ -53,6 +56,9 @@ def main(config: GatewayConfig, admission: AdmissionConfig) -> int:
     from tessera.worker_pool import WorkerPool
 
     registry_url = config.registry or os.environ.get("TESSERA_REGISTRY")
+
+    def connect(address: str) -> GrpcWorkerClient:
+        return GrpcWorkerClient(address, idle_timeout_s=config.stream_idle_timeout_s)
     if admission.keys_from_redis and not registry_url:
         raise SystemExit("--api-keys-from-redis needs --registry (the Redis URL)")
     background, client = [], None
@@ -62,13 +68,13 @@ def main(config: GatewayConfig, admission: AdmissionConfig) -> int:
         record = asyncio.run(_wait_for_registered(registry_url, config.registry_prefix,
                                                   config.served_model_name, config.wait_s))
         model = record.model
-        pool = WorkerPool(GrpcWorkerClient, [record.address])
+        pool = WorkerPool(connect, [record.address])
         background.append(lambda: pool.watch(registry, model))
         client, source = pool, f"registry {registry_url}"
     else:
         workers = list(config.worker) or [os.environ.get("TESSERA_WORKER", "127.0.0.1:50051")]
         model = asyncio.run(_wait_for_worker(workers[0], config.wait_s)).model_id
-        client = GrpcWorkerClient(workers[0]) if len(workers) == 1 else WorkerPool(GrpcWorkerClient, workers)
+        client = connect(workers[0]) if len(workers) == 1 else WorkerPool(connect, workers)
         source = ", ".join(workers)
     app = create_app(client, config.served_model_name or model, background,
                      Admission(admission, registry_url, config.registry_prefix))
