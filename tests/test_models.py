@@ -44,3 +44,56 @@ def test_greedy_32_tokens_match_transformers(tiny_models, arch):
         theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         assert out == theirs
+
+
+# bfloat16: neither we nor transformers can be exact, so each is measured against a float32
+# reference on the same checkpoint and ours may be off by at most twice what transformers'
+# own bf16 forward is (style rule 6's tolerance, applied to the whole model).
+BF16_ARCHS = ["llama", "mixtral", "qwen2_moe", "qwen3_moe"]
+EPS = 1e-3    # far below one bf16 ulp of these logits (|logit| ~ 8, ulp 1/16)
+
+
+def bf16_reference(path: str):
+    """(transformers in float32, transformers in bfloat16) on one checkpoint."""
+    return tuple(AutoModelForCausalLM.from_pretrained(path, dtype=d).eval() for d in (torch.float32, torch.bfloat16))
+
+
+@pytest.mark.parametrize("arch", BF16_ARCHS)
+def test_bf16_prefill_logits_within_bf16_rounding_of_fp32(tiny_models, arch):
+    path = tiny_models[arch]
+    model, _ = load_model(path, torch.bfloat16)
+    ref, hf_bf16 = bf16_reference(path)
+    runner = ModelRunner(model, num_blocks=16, block_size=4)
+    kv = KVCacheManager(16, 4)
+    for k, prompt in enumerate(PROMPTS):
+        rid = f"r{k}"
+        assert kv.allocate(rid, len(prompt))
+        plan = StepPlan((ScheduledRequest(rid, tuple(prompt), 0, tuple(kv.block_tables[rid]), True),))
+        ours = runner.execute(plan)[0].float()
+        with torch.no_grad():
+            exact = ref(torch.tensor([prompt])).logits[0, -1]
+            theirs = hf_bf16(torch.tensor([prompt])).logits[0, -1].float()
+        ours_err, hf_err = (ours - exact).abs().max().item(), (theirs - exact).abs().max().item()
+        assert ours_err <= 2 * hf_err + EPS, (arch, k, ours_err, hf_err)
+
+
+@pytest.mark.parametrize("arch", BF16_ARCHS)
+def test_bf16_greedy_tokens_are_greedy_up_to_bf16_rounding(tiny_models, arch):
+    """Our bf16 greedy tokens need not equal transformers' bf16 ones: wherever the top two fp32
+    logits are closer than bf16 rounding, the two (differently fused) forwards may pick either,
+    and after one different token the sequences share nothing. So each token we pick is checked
+    against the fp32 reference run on our own sequence: if our logits are within 2 * e of it
+    (e: transformers' bf16 error at that position), the token we pick has an fp32 logit at most
+    4 * e below the best one. This also covers decode from a bf16 KV cache, which prefill does not."""
+    path = tiny_models[arch]
+    engine = Engine(EngineConfig(model=path, dtype="bfloat16", cache=CacheConfig(block_size=4, num_blocks=64)))
+    ref, hf_bf16 = bf16_reference(path)
+    ours = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, ours):
+        seq = torch.tensor([prompt + out])
+        with torch.no_grad():   # row i predicts token i + 1: the rows that chose our outputs
+            exact = ref(seq).logits[0, len(prompt) - 1:-1]
+            hf_err = (hf_bf16(seq).logits[0, len(prompt) - 1:-1].float() - exact).abs().amax(dim=-1)
+        chosen = exact.gather(1, torch.tensor(out)[:, None])[:, 0]
+        shortfall = exact.amax(dim=-1) - chosen
+        assert (shortfall <= 4 * hf_err + EPS).all(), (arch, shortfall.tolist(), hf_err.tolist())

@@ -13,9 +13,34 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def stub(tiny_models):
-    with tessera_worker("--model", tiny_models["llama"], "--num-kv-blocks", "64", "--block-size", "8") as (addr, _):
+    with tessera_worker("--model", tiny_models["llama"], "--dtype", "float32", "--num-kv-blocks", "64",
+                        "--block-size", "8") as (addr, _):
         with grpc.insecure_channel(addr) as channel:
             yield worker_pb2_grpc.WorkerStub(channel), health_pb2_grpc.HealthStub(channel)
+
+
+def cpu_flags(cpuinfo: str) -> set[str]:
+    return {f for line in cpuinfo.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+
+
+def test_auto_dtype_is_bfloat16_iff_the_cpu_has_bf16_matmul(monkeypatch):
+    """The rule, on this machine's flags and on made-up ones, never one machine's answer."""
+    import io
+    import os
+
+    import torch
+
+    from tessera import engine
+    here = cpu_flags(open("/proc/cpuinfo").read()) if os.path.exists("/proc/cpuinfo") else set()
+    want = torch.bfloat16 if here & {"amx_bf16", "avx512_bf16"} else torch.float32
+    assert engine.resolve_dtype("auto") == want
+    for flags, dtype in (("fpu sse avx2 avx512f", torch.float32), ("avx512f avx512_bf16", torch.bfloat16),
+                         ("amx_tile amx_bf16 amx_int8", torch.bfloat16)):
+        monkeypatch.setattr(engine, "_has_cpuinfo", lambda: True)
+        monkeypatch.setattr(engine, "open", lambda _path: io.StringIO(f"processor\t: 0\nflags\t\t: {flags}\n"),
+                            raising=False)
+        assert engine.resolve_dtype("auto") == dtype, flags
+    assert engine.resolve_dtype("float32") == torch.float32 and engine.resolve_dtype("bfloat16") == torch.bfloat16
 
 
 def greedy(max_tokens: int, **kw) -> common_pb2.SamplingParams:
@@ -59,7 +84,8 @@ def test_cancelled_call_frees_blocks(stub):
 
 def test_bad_parameters_are_invalid_argument(stub):
     worker, _ = stub
-    bad = [greedy(0, min_tokens=5), common_pb2.SamplingParams(temperature=-1, top_p=1, max_tokens=4, logprobs=-1),
+    # max_tokens 0 means 'up to the context limit' (common.proto), so min > max needs a set max
+    bad = [greedy(2, min_tokens=5), common_pb2.SamplingParams(temperature=-1, top_p=1, max_tokens=4, logprobs=-1),
            greedy(5000)]
     for sampling in bad:
         req = worker_pb2.GenerateRequest(request_id="bad", token_ids=common_pb2.TokenIds(ids=[1]), sampling=sampling)
