@@ -6,6 +6,7 @@ own healthcheck commands pass, and a chat request through the gateway gets an an
 from __future__ import annotations
 
 import contextlib
+import os
 import pathlib
 import re
 import subprocess
@@ -23,6 +24,7 @@ from tessera.deploy.up import stop
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOPOLOGIES = sorted((ROOT / "deploy" / "topologies").glob("*.yaml"))
+SECRETS = {"REDIS_PASSWORD": "compose-test-pw", "TESSERA_CLUSTER_SECRET": "compose-test-secret"}
 
 
 def _rel(path: pathlib.Path) -> str:
@@ -69,8 +71,39 @@ def test_kubernetes_objects_agree_with_the_topology(path):
             for host, p in re.findall(r"([a-z][a-z0-9-]*-\d+):(\d+)", a):
                 assert int(p) in [x["port"] for x in services[host]["spec"]["ports"]], (name, a)
     assert replicas == {role: r.replicas for role, r in topology.roles.items()}
+    _secrets_come_from_the_operators_secret(deployments.values(), topology.registry)
     for name, s in services.items():
         assert s["spec"]["selector"] == deployments[name]["spec"]["selector"]["matchLabels"]
+
+
+def _secrets_come_from_the_operators_secret(deployments, registry: bool) -> None:
+    """Every tessera container gets the cluster secret, and (with a registry) Redis requires the
+    password, both from the Secret tessera-secrets, which the file references but never holds."""
+    for d in deployments:
+        (container,) = d["spec"]["template"]["spec"]["containers"]
+        refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container.get("env", [])
+                if "secretKeyRef" in e.get("valueFrom", {})}
+        assert {r["name"] for r in refs.values()} <= {"tessera-secrets"}
+        if container["image"].startswith("redis"):
+            assert "--requirepass" in container["args"] and refs["REDIS_PASSWORD"]["key"] == "redis-password"
+            continue
+        assert refs["TESSERA_CLUSTER_SECRET"]["key"] == "cluster-secret"
+        if registry and "--registry" in container["args"]:
+            url = container["args"][container["args"].index("--registry") + 1]
+            assert url.startswith("redis://:$(REDIS_PASSWORD)@") and "REDIS_PASSWORD" in refs
+
+
+@pytest.mark.parametrize("path", TOPOLOGIES, ids=lambda p: p.stem)
+def test_compose_files_take_secrets_from_the_environment(path):
+    services = yaml.safe_load((ROOT / "deploy/compose" / path.name).read_text())["services"]
+    for service in services.values():
+        if service["image"].startswith("redis"):
+            assert service["command"][-2:] == ["--requirepass", "${REDIS_PASSWORD:?set REDIS_PASSWORD}"]
+            continue
+        assert service["environment"] == {"TESSERA_CLUSTER_SECRET":
+                                          "${TESSERA_CLUSTER_SECRET:?set TESSERA_CLUSTER_SECRET}"}
+        for a in service["command"]:
+            assert not a.startswith("redis://") or a.startswith("redis://:${REDIS_PASSWORD:?set REDIS_PASSWORD}@")
 
 
 class LocalCompose:
@@ -85,9 +118,17 @@ class LocalCompose:
             self.ports[cmd[cmd.index("--port") + 1]] = str(free_port())
         self.tmp = tmp
 
+    @staticmethod
+    def interpolate(a: str) -> str:
+        """What compose does to ${VAR} and ${VAR:?message}: here with SECRETS (and only them)."""
+        return re.sub(r"\$\{(\w+)(:\?[^}]*)?\}", lambda m: SECRETS[m[1]], a)
+
+    def env(self, service: dict) -> dict:
+        return dict(os.environ, **{k: self.interpolate(v) for k, v in service.get("environment", {}).items()})
+
     def rewrite(self, args: list[str]) -> list[str]:
         out = []
-        for i, a in enumerate(args):
+        for i, a in enumerate(map(self.interpolate, args)):
             if i and args[i - 1] in ("--port", "-p"):
                 a = self.ports[a]
             elif a in self.services:
@@ -113,7 +154,7 @@ class LocalCompose:
             for name, service in self.services.items():   # file order is dependency order
                 assert set(service.get("depends_on", {})) <= set(self.services)
                 procs.append(subprocess.Popen(self.argv(service["command"]), cwd=self.tmp,
-                                              stdout=subprocess.DEVNULL))
+                                              env=self.env(service), stdout=subprocess.DEVNULL))
             deadline = time.monotonic() + timeout_s
             for (name, service), proc in zip(self.services.items(), procs):
                 while not self.healthy(service):

@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 
+from tessera import cluster_auth
 from tessera.config import AfdConfig, ConfigError, EngineConfig
 from tessera.deploy.supervisor import SupervisorConfig
 from tessera.entrypoints.flags import add_flags, from_args
@@ -118,12 +119,19 @@ def _address_args(p: argparse.ArgumentParser, port: int) -> None:
                    help="on SIGTERM / Ctrl-C: time in-flight requests get to finish (default: 30.0)")
 
 
+def _cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster-secret-file", default=None,
+                   help="file holding the shared secret internal gRPC and M2N links must present "
+                        "(default $TESSERA_CLUSTER_SECRET; neither: no auth)")
+
+
 def _registry_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--registry", default=os.environ.get("TESSERA_REGISTRY"),
                    help="Redis URL to register in, with heartbeats (default $TESSERA_REGISTRY)")
     p.add_argument("--registry-prefix", default="tessera")
     p.add_argument("--advertise", default=None, help="address others reach this worker at (default host:port)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this HTTP port")
+    _cluster_args(p)
 
 
 def _transport_args(p: argparse.ArgumentParser) -> None:
@@ -139,6 +147,11 @@ def _gateway_flags(p: argparse.ArgumentParser, exclude=()) -> None:
     add_flags(p, AdmissionConfig, **ADMISSION_FLAGS)
     p.add_argument("--api-key", action="append", default=None,
                    help="accepted API key (repeatable; kept only hashed); also $TESSERA_API_KEYS, comma-separated")
+
+
+def _gateway_args(p: argparse.ArgumentParser) -> None:
+    _gateway_flags(p)
+    _cluster_args(p)
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -212,6 +225,7 @@ def _expert_node_args(p: argparse.ArgumentParser) -> None:
                    help="MoE experts this node holds, e.g. 0,2,4,6 or 0-3 (default: the shard's contiguous range)")
     _transport_args(p)
     p.add_argument("--threads", type=int, default=None)
+    _cluster_args(p)
 
 
 def _init_random_args(p: argparse.ArgumentParser) -> None:
@@ -255,7 +269,7 @@ COMMANDS = {
     ("attention-node",): ("AFD: attention, KV cache, router and sampler (a worker)", _attention_node_args,
                           cmd_attention_node),
     ("expert-node",): ("AFD: a share of every layer's FFN / experts", _expert_node_args, cmd_expert_node),
-    ("gateway",): ("the OpenAI-compatible HTTP gateway", _gateway_flags, cmd_gateway),
+    ("gateway",): ("the OpenAI-compatible HTTP gateway", _gateway_args, cmd_gateway),
     ("model", "init-random"): ("write a tiny random checkpoint (HF format)", _init_random_args, cmd_init_random),
     ("bench", "engine"): ("offline engine throughput (no HTTP)", _bench_engine_args, cmd_bench_engine),
     ("bench", "serve"): ("load generator for any OpenAI-compatible server", _bench_serve_args, cmd_bench_serve),
@@ -297,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser({arg for arg in argv if not arg.startswith("-")})
     args = parser.parse_args(argv)
+    try:
+        cluster_auth.use_secret_file(getattr(args, "cluster_secret_file", None))
+    except (OSError, ValueError) as e:
+        parser.error(f"--cluster-secret-file: {e}")
     try:
         return args.fn(args)
     except ConfigError as e:

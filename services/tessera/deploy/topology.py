@@ -59,6 +59,7 @@ class Placement:
     bind: str = HOST
     by_service_name: bool = False
     redis_url: str | None = None      # None: redis://<redis address>/0
+    redis_password: str | None = None  # how the command line names it (a variable the runtime expands)
 
     def address(self, role: Role, i: int) -> str:
         return f"{role.service(i) if self.by_service_name else HOST}:{role.port + i}"
@@ -83,8 +84,10 @@ class PodPlacement(Placement):
 
 
 LOCAL = Placement()
-SERVICES = Placement(bind="0.0.0.0", by_service_name=True)
-PODS = PodPlacement(bind="0.0.0.0", by_service_name=True)
+SERVICES = Placement(bind="0.0.0.0", by_service_name=True,
+                     redis_password="${REDIS_PASSWORD:?set REDIS_PASSWORD}")   # compose interpolates it
+PODS = PodPlacement(bind="0.0.0.0", by_service_name=True,
+                    redis_password="$(REDIS_PASSWORD)")   # Kubernetes expands it from the container's env
 
 
 @dataclass(frozen=True)
@@ -151,7 +154,8 @@ class Topology:
         return f"tessera:{self.name}"
 
     def redis_url(self, place: Placement) -> str:
-        return place.redis_url or f"redis://{place.address(self.roles['redis'], 0)}/0"
+        auth = f":{place.redis_password}@" if place.redis_password else ""
+        return place.redis_url or f"redis://{auth}{place.address(self.roles['redis'], 0)}/0"
 
     def processes(self, place: Placement = LOCAL) -> list[Process]:
         out = []
@@ -164,7 +168,8 @@ class Topology:
     def _argv(self, role: Role, i: int, place: Placement) -> list[str]:
         port = str(role.port + i)
         if role.name == "redis":
-            return ["redis-server", "--port", port, "--save", "", "--appendonly", "no"]
+            auth = ["--requirepass", place.redis_password] if place.redis_password else []
+            return ["redis-server", "--port", port, "--save", "", "--appendonly", "no", *auth]
         model = ["--model", self.model, "--dtype", self.dtype]
         common = ["--host", place.bind, "--port", port]
         threads = ["--threads", str(role.options["threads"])] if "threads" in role.options else []

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import socket
 import tempfile
 from dataclasses import replace
 
+from tessera import cluster_auth
 from tessera.config import ConfigError
 from tessera.deploy.supervisor import Child, Supervisor, SupervisorConfig, stop, tessera_argv
 from tessera.deploy.topology import LOCAL, Topology
@@ -22,6 +24,9 @@ DRAINING_ROLES = ("worker", "attention_node", "expert_node", "gateway")   # they
 def up(topology: Topology, config: SupervisorConfig = SupervisorConfig()) -> int:
     from tessera.models.loader import resolve_model_path
     resolve_model_path(topology.model)   # fail early; a random:ARCH model is created once, here
+    # Every child inherits one secret, so a `tessera up` deployment never runs unauthenticated.
+    if not cluster_auth.secret():
+        os.environ[cluster_auth.ENV] = secrets.token_hex(32)
     children, place = [], LOCAL
     with tempfile.TemporaryDirectory(prefix="tessera-up-") as scratch:
         if topology.registry:

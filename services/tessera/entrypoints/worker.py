@@ -10,7 +10,7 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tessera import logs
+from tessera import cluster_auth, logs
 from tessera.async_engine import AsyncEngine
 from tessera.config import ConfigError, EngineConfig
 from tessera.engine import Engine
@@ -74,7 +74,8 @@ async def serve(config: EngineConfig, host: str, port: int, build=None, role: st
     if metrics_port:
         from tessera.metrics import serve_worker_metrics
         serve_worker_metrics(engine, role, metrics_port, host)
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)],
+                             interceptors=[cluster_auth.AioServerInterceptor()])
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -6,7 +6,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from tessera import logs
+from tessera import cluster_auth, logs
 from tessera.rpc import convert
 from tessera.rpc.v1 import worker_pb2, worker_pb2_grpc
 from tessera.worker_api import GenerateChunk, GenerateInput, Unavailable, WorkerInfo
@@ -32,8 +32,9 @@ class GrpcWorkerClient:
         return self._stub_obj
 
     async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateChunk]:
+        request_id = ("x-request-id", logs.request_id.get() or request.request_id)
         call = self._stub.Generate(convert.generate_request_to_proto(request),
-                                   metadata=(("x-request-id", logs.request_id.get() or request.request_id),))
+                                   metadata=cluster_auth.metadata(request_id))
         try:
             while True:    # no deadline on the whole stream: a bound on the wait for each message
                 try:
@@ -49,11 +50,14 @@ class GrpcWorkerClient:
             call.cancel()  # no-op when finished; aborts the request in the worker otherwise
 
     async def abort(self, request_id: str) -> None:
-        await self._stub.Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=5)
+        await self._stub.Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=5,
+                               metadata=cluster_auth.metadata())
 
     async def info(self, timeout_s: float = 5.0) -> WorkerInfo:
         try:
-            return convert.info_from_proto(await self._stub.Info(worker_pb2.InfoRequest(), timeout=timeout_s))
+            reply = await self._stub.Info(worker_pb2.InfoRequest(), timeout=timeout_s,
+                                          metadata=cluster_auth.metadata())
+            return convert.info_from_proto(reply)
         except grpc.aio.AioRpcError as e:
             raise convert.error_from_status(e.code(), e.details()) from None
 

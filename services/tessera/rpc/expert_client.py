@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from tessera import cluster_auth
 from tessera.disagg.control import ConnectReply, ConnectRequest, ExpertInfo
 from tessera.rpc import convert
 from tessera.rpc.v1 import expert_pb2, expert_pb2_grpc
@@ -17,14 +18,16 @@ class GrpcExpertControl:
 
     def connect(self, request: ConnectRequest) -> ConnectReply:
         try:
-            reply = self._stub.Connect(convert.connect_request_to_proto(request), timeout=self.timeout_s)
+            reply = self._stub.Connect(convert.connect_request_to_proto(request), timeout=self.timeout_s,
+                                       metadata=cluster_auth.metadata())
         except grpc.RpcError as e:
             raise convert.link_error_from_status(e.code(), f"{self.address}: {e.details()}") from None
         return convert.connect_reply_from_proto(reply)
 
     def info(self) -> ExpertInfo:
         try:
-            reply = self._stub.ExpertInfo(expert_pb2.ExpertInfoRequest(), timeout=self.timeout_s)
+            reply = self._stub.ExpertInfo(expert_pb2.ExpertInfoRequest(), timeout=self.timeout_s,
+                                          metadata=cluster_auth.metadata())
         except grpc.RpcError as e:
             raise convert.link_error_from_status(e.code(), f"{self.address}: {e.details()}") from None
         return convert.expert_info_from_proto(reply)

@@ -28,8 +28,8 @@ def make_transport(backend: str, name: str, slots: int = 2, host: str = "127.0.0
         return NixlTransport(name, slots=slots, capacity_bytes=capacity_bytes, timeout_s=timeout_s)
     from tessera.transport.tcp import TcpTransport
     if advertise:
-        return TcpTransport(name, host="0.0.0.0", slots=slots, advertise=advertise)
-    return TcpTransport(name, host=host, slots=slots)
+        return TcpTransport(name, host="0.0.0.0", slots=slots, advertise=advertise, capacity_bytes=capacity_bytes)
+    return TcpTransport(name, host=host, slots=slots, capacity_bytes=capacity_bytes)
 
 
 def link(a, b) -> None:

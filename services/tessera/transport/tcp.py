@@ -1,7 +1,10 @@
 """M2N transport over TCP sockets between processes: one connection per (sender, receiver),
 frames of a fixed header, the shape, then the raw tensor bytes (no pickling). A reader thread
 per incoming connection copies each frame into the receiver's Mailbox slot, waiting while the
-slot is busy, so TCP flow control pushes back on a sender that runs ahead of its receiver."""
+slot is busy, so TCP flow control pushes back on a sender that runs ahead of its receiver.
+A link opens with the sender's name and its cluster_auth proof: only peers announced by the
+control plane (connect / add_peer) and knowing the secret are read, and a frame larger than a
+slot (capacity_bytes) closes the link before anything is allocated for it."""
 from __future__ import annotations
 
 import logging
@@ -11,17 +14,20 @@ import threading
 
 import torch
 
+from tessera import cluster_auth
 from tessera.transport.base import (ERROR, HEADER, Mailbox, Tag, TransportError, pack_header, tensor_bytes,
                                     unpack_fixed, unpack_header)
 
 log = logging.getLogger("tessera.transport.tcp")
-_HELLO = struct.Struct("<H")           # length of the sender's name, then the name
+_HELLO = struct.Struct("<H")           # length of the sender's name, then the name and its proof
 
 
 class TcpTransport:
     def __init__(self, name: str, host: str = "127.0.0.1", port: int = 0, slots: int = 2,
-                 peers: dict[str, tuple[str, int]] | None = None, advertise: str | None = None) -> None:
+                 peers: dict[str, tuple[str, int]] | None = None, advertise: str | None = None,
+                 capacity_bytes: int = 8 << 20) -> None:
         self.name = name
+        self.capacity_bytes = capacity_bytes
         self.mailbox = Mailbox(slots)
         self.peers = dict(peers or {})
         self._conns: dict[str, tuple[socket.socket, threading.Lock]] = {}
@@ -88,7 +94,7 @@ class TcpTransport:
                 sock.settimeout(None)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 name = self.name.encode()
-                sock.sendall(_HELLO.pack(len(name)) + name)
+                sock.sendall(_HELLO.pack(len(name)) + name + cluster_auth.peer_proof(self.name, dst))
                 self._conns[dst] = (sock, threading.Lock())
             return self._conns[dst]
 
@@ -111,8 +117,7 @@ class TcpTransport:
         """Frames from one sender until it disconnects; a malformed frame closes only this link."""
         with sock:
             try:
-                (n,) = _HELLO.unpack(_read_exact(sock, _HELLO.size))
-                src = _read_exact(sock, n).decode()
+                src = self._hello(sock)
                 while True:
                     self._read_frame(sock, src)
             except (ConnectionError, OSError):
@@ -121,10 +126,23 @@ class TcpTransport:
                 self.rejected += 1
                 log.warning("rejected a message: %s", e)
 
+    def _hello(self, sock: socket.socket) -> str:
+        """The sender's name, once it is a peer the control plane announced and its proof holds."""
+        (n,) = _HELLO.unpack(_read_exact(sock, _HELLO.size))
+        src = _read_exact(sock, n).decode(errors="replace")
+        proof = bytes(_read_exact(sock, cluster_auth.PROOF_SIZE))
+        if src not in self.peers:
+            raise TransportError(f"link from unannounced peer {src!r}")
+        if not cluster_auth.check_proof(src, self.name, proof):
+            raise TransportError(f"link from {src!r} without the cluster secret")
+        return src
+
     def _read_frame(self, sock: socket.socket, src: str) -> None:
         fixed = _read_exact(sock, HEADER.size)
         ndim = unpack_fixed(fixed, src)[5]
         tag, dtype, shape, nbytes, flags = unpack_header(bytes(fixed + _read_exact(sock, 8 * ndim)), src)
+        if nbytes > self.capacity_bytes:
+            raise TransportError(f"{nbytes}-byte message from {src} exceeds the {self.capacity_bytes}-byte slot")
         self.mailbox.put(src, tag, dtype, shape, _read_exact(sock, nbytes), flags=flags)
 
 
