@@ -8,7 +8,8 @@ output tokens so far, which count as output for penalties, limits and seeded dra
 much text the client got), so the client's stream continues exactly as it would have. A full
 worker (Saturated) before the first token is skipped without being marked down; an internal
 error (500) is never replayed. If no member is left, the request ends with the error. Membership is static (addresses) or
-follows a registry (watch()); during a registry outage the last-known members stay.
+follows a registry (watch()); during a registry outage, or when it suddenly lists none, the
+last-known members stay.
 """
 from __future__ import annotations
 
@@ -119,8 +120,14 @@ class WorkerPool:
         while True:
             try:
                 records = await registry.list(model)
-                self.compat.update({r.address: r.version for r in records if r.version})
-                self.set_members([r.address for r in records])
+                if not records and self.clients:
+                    # An empty answer is what a Redis that just restarted gives before the
+                    # workers' next heartbeat: keep the known members (dead ones fail fast and
+                    # are skipped), never drop from N to 0 on the registry's word alone.
+                    log.warning("registry lists no %s workers: keeping %d known", model, len(self.clients))
+                else:
+                    self.compat.update({r.address: r.version for r in records if r.version})
+                    self.set_members([r.address for r in records])
             except RegistryUnavailable as e:
                 log.warning("registry unavailable (%s): keeping %d known workers", e, len(self.clients))
             await asyncio.sleep(interval_s)
