@@ -85,9 +85,12 @@ def _registered(up: Logged, prefix: str = "tessera:single") -> list[str]:
     redis_url = up.wait_for(r"tessera up: registry (\S+)")[1]
 
     async def addresses():
+        from tessera.registry import RegistryUnavailable
         registry = RedisRegistry(redis_url, prefix=prefix)
         try:
             return sorted(r.address for r in await registry.list())
+        except RegistryUnavailable:   # a restarted Redis that does not accept connections yet
+            return []
         finally:
             await registry.close()
     return asyncio.run(addresses())
