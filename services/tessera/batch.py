@@ -2,7 +2,9 @@
 
 Tokens of all scheduled requests are flattened into one [T] sequence. Attention runs in two
 groups: decode requests (one new token each) as one padded batch over their block tables,
-and prefill chunks one by one (a chunk that starts at position 0 attends to itself only).
+and prefill chunks one by one (a chunk that starts at position 0 attends to itself only). A
+decode token with a draft tree is a chunk of its own: positions are context + depth, the
+mask holds each node's ancestors, and every node's logits are returned (spec/acceptance.py).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tessera.scheduler import StepPlan
+from tessera.spec.tree import Draft
 
 
 @dataclass
@@ -57,6 +60,12 @@ def build_forward_batch(plan: StepPlan, block_size: int) -> ForwardBatch:
         for pos in range(entry.start_pos, entry.start_pos + n):
             positions.append(pos)
             slots.append(table[pos // block_size] * block_size + pos % block_size)
+        if entry.tree_parents:
+            draft = Draft(entry.token_ids[1:], entry.tree_parents)
+            positions[start:] = [entry.start_pos + d for d in draft.depths()]
+            prefills.append(_tree_chunk(start, entry.start_pos, draft, table, block_size))
+            logits_idx.extend(range(start, start + n))
+            continue
         if n == 1 and entry.start_pos > 0:
             decode_idx.append(start)
             decode_tables.append(table)
@@ -92,6 +101,24 @@ def _prefill_chunk(start: int, n: int, start_pos: int, table: tuple[int, ...],
     length = start_pos + n
     slots = _slots(table, -(-length // block_size), block_size)[:length]
     mask = torch.arange(length)[None, :] <= torch.arange(start_pos, length)[:, None]
+    return PrefillChunk(start, n, start_pos, slots, mask)
+
+
+def _tree_chunk(start: int, start_pos: int, draft: Draft, table: tuple[int, ...],
+                block_size: int) -> PrefillChunk:
+    """A draft tree after the decode token (its root): stored in slots start_pos.. in node
+    order, each node attending to the context and to its ancestors (itself included)."""
+    n = len(draft) + 1
+    length = start_pos + n
+    slots = _slots(table, -(-length // block_size), block_size)[:length]
+    mask = torch.zeros(n, length, dtype=torch.bool)
+    mask[:, :start_pos] = True
+    parents = (-1,) + draft.parents
+    for i in range(n):
+        a = i
+        while a >= 0:
+            mask[i, start_pos + a] = True
+            a = parents[a]
     return PrefillChunk(start, n, start_pos, slots, mask)
 
 

@@ -115,6 +115,30 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Tree speculative decoding (SwiftSpec): who drafts, and the shape of each round's tree."""
+
+    draft: str | None = field(default=None, metadata={
+        "flag": "--speculative", "help": "drafter: 'self:K' (the target's first K layers), 'ngram', "
+        "or a model (HF directory, .gguf, 'smollm2'); default: no speculation"})
+    draft_address: str | None = field(default=None, metadata={
+        "help": "gRPC address of a draft worker (disaggregated); default: draft in this process (serial)"})
+    tree_size: int = field(default=8, metadata={
+        "flag": "--spec-tree-size", "help": "bs: tree nodes verified per round, root included"})
+    width: int = field(default=4, metadata={
+        "flag": "--spec-width", "help": "w: leaves the draft expands per forward"})
+    depth: int = field(default=3, metadata={
+        "flag": "--spec-depth", "help": "d: draft expansions per round (profile: t_target / t_draft)"})
+    disable_batch_size: int = field(default=4, metadata={
+        "flag": "--spec-disable-batch-size",
+        "help": "above this many running requests, decode plainly (speculation pays at small batch)"})
+
+    def __post_init__(self) -> None:
+        if self.tree_size < 1 or self.width < 1 or self.depth < 0 or self.disable_batch_size < 1:
+            raise ConfigError("spec tree size and width must be >= 1, depth >= 0, disable batch size >= 1")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str = field(default="smollm2", metadata={
         "help": "'smollm2' (default), random:ARCH, an HF directory or a .gguf file"})
@@ -127,6 +151,7 @@ class EngineConfig:
         "flag": "--threads", "help": "torch CPU threads (default: torch's choice)"})
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):

@@ -21,7 +21,10 @@ from tessera.model_runner import ModelRunner, kv_bytes_per_block
 from tessera.models.loader import load_model, model_id_for
 from tessera.request import Request, RequestStatus, Resume
 from tessera.sampler import SampleResult, SamplingBatch, sample
-from tessera.scheduler import Scheduler
+from tessera.scheduler import ScheduledRequest, Scheduler
+from tessera.spec.acceptance import accept
+from tessera.spec.proposer import Proposer, make_proposer
+from tessera.spec.tree import Draft
 
 log = logging.getLogger("tessera.engine")
 
@@ -44,6 +47,8 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None          # set when this request failed inside the engine
+    accepted_tokens: int = 0          # speculative decoding: draft tokens accepted so far
+    rejected_tokens: int = 0          # and verified but rejected so far
 
 
 class EngineError(RuntimeError):
@@ -68,8 +73,10 @@ def _has_cpuinfo() -> bool:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, model=None, tokenizer=None, make_runner=ModelRunner) -> None:
-        """make_runner(model, num_blocks, block_size) builds the runner (AFD swaps in its own)."""
+    def __init__(self, config: EngineConfig, model=None, tokenizer=None, make_runner=ModelRunner,
+                 proposer: Proposer | None = None) -> None:
+        """make_runner(model, num_blocks, block_size) builds the runner (AFD swaps in its own);
+        proposer: where draft trees come from (default: from config.speculative, or none)."""
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -97,6 +104,7 @@ class Engine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._default_generator = torch.Generator().manual_seed(0)
         self._ids = itertools.count()
+        self.proposer = proposer or make_proposer(config.speculative, model, self.dtype, self.max_model_len)
 
     @functools.cached_property
     def compat_hash(self) -> str:
@@ -170,6 +178,7 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         request = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
+        self._forget_draft(request_id)
         self._forget(request_id)
         return request is not None
 
@@ -187,7 +196,19 @@ class Engine:
             return []
         logits = self.runner.execute(plan)
         self.scheduler.on_step_done(plan)
-        requests = [self.scheduler.requests[e.request_id] for e in plan.scheduled if e.sample]
+        plain: list[int] = []
+        trees: list[tuple[ScheduledRequest, int]] = []
+        row = 0
+        for entry in (e for e in plan.scheduled if e.sample):
+            (trees.append((entry, row)) if entry.tree_parents else plain.append(row))
+            row += len(entry.token_ids) if entry.tree_parents else 1
+        requests = [self.scheduler.requests[e.request_id] for e in plan.scheduled if e.sample and not e.tree_parents]
+        outputs = self._sample_rows(requests, logits[plain]) if requests else []
+        outputs += [self._verify(entry, logits[r:r + len(entry.token_ids)]) for entry, r in trees]
+        self._propose(outputs)
+        return outputs
+
+    def _sample_rows(self, requests: list[Request], logits: torch.Tensor) -> list[RequestOutput]:
         try:
             result = sample(logits, self._sampling_batch(requests), self._default_generator)
             return [self._postprocess(r, i, result) for i, r in enumerate(requests)]
@@ -195,8 +216,65 @@ class Engine:
             log.exception("sampling a batch of %d failed; sampling its rows one by one", len(requests))
             return [self._sample_alone(r, logits[i:i + 1]) for i, r in enumerate(requests)]
 
+    def _verify(self, entry: ScheduledRequest, logits: torch.Tensor) -> RequestOutput:
+        """One request's draft tree, verified by spec/acceptance.accept: each node's token is
+        drawn by the same sampler and postprocessing as plain decoding at that position, then
+        the accepted nodes' KV moves to where plain decoding would have put it."""
+        request = self.scheduler.requests[entry.request_id]
+        draft = Draft(entry.token_ids[1:], entry.tree_parents)
+        outs: list[RequestOutput] = []
+
+        def draw(node: int) -> int | None:
+            outs.append(self._sample_alone(request, logits[node:node + 1]))
+            return None if outs[-1].finished else outs[-1].new_token_ids[-1]
+        path = accept(draft, draw)
+        request.accepted_tokens += len(path)
+        request.rejected_tokens += len(draft) - len(path)
+        if not outs[-1].finished:
+            self.runner.keep_path(entry.block_table, entry.start_pos, path)
+            request.num_computed_tokens += len(path)
+        last = outs[-1]
+        return replace(last, new_token_ids=[t for o in outs for t in o.new_token_ids],
+                       new_text="".join(o.new_text for o in outs), logprobs=[lp for o in outs for lp in o.logprobs],
+                       accepted_tokens=request.accepted_tokens, rejected_tokens=request.rejected_tokens)
+
+    def _propose(self, outputs: list[RequestOutput]) -> None:
+        """Ask the proposer for each running request's next draft tree, while the batch is
+        small enough for speculation to pay; a proposer failure only means plain decoding."""
+        if self.proposer is None:
+            return
+        spec = self.config.speculative
+        on = len(self.scheduler.running) <= spec.disable_batch_size
+        for out in outputs:
+            request = self.scheduler.requests.get(out.request_id)
+            if request is None or out.finished:
+                self._forget_draft(out.request_id)
+                continue
+            fits = request.num_tokens + spec.tree_size <= self.max_model_len
+            if not on or not fits:
+                self._forget_draft(out.request_id, request)
+                continue
+            new = request.num_tokens - request.spec_synced if request.spec_synced else request.num_tokens
+            try:
+                request.draft = self.proposer.propose(request.request_id, request.all_token_ids, new,
+                                                      spec.tree_size) or None
+                request.spec_synced = request.num_tokens
+            except Exception as e:   # the draft worker is gone or broken: decode plainly
+                log.warning("request %s: no draft this round (%s)", request.request_id, e)
+                self._forget_draft(out.request_id, request)
+
+    def _forget_draft(self, request_id: str, request: Request | None = None) -> None:
+        if request is not None:
+            request.draft, request.spec_synced = None, 0
+        if self.proposer is not None:
+            try:
+                self.proposer.finish(request_id)
+            except Exception as e:
+                log.warning("request %s: draft finish failed (%s)", request_id, e)
+
     def _sample_alone(self, request: Request, logits: torch.Tensor) -> RequestOutput:
-        """One row's sampling after the batch's failed: the row that raises fails alone."""
+        """One row's sampling on its own (after the batch's failed, or a tree node): a row
+        that raises fails alone."""
         try:
             result = sample(logits, self._sampling_batch([request]), self._default_generator)
         except Exception as e:

@@ -35,3 +35,20 @@ class ModelRunner:
         batch = build_forward_batch(plan, self.block_size)
         hidden = forward(self.model, batch, self.kv_caches)
         return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def keep_path(self, block_table: tuple[int, ...], start_pos: int, nodes: list[int]) -> None:
+        """After a tree verification: the KV of accepted tree nodes (offsets after the root at
+        start_pos) moves to the positions start_pos + 1, + 2, ... where a plain decode would
+        have written it; the rejected nodes' KV is left to be overwritten."""
+        if nodes == list(range(1, len(nodes) + 1)):
+            return
+        bs = self.block_size
+
+        def slot(pos: int) -> int:
+            return block_table[pos // bs] * bs + pos % bs
+        src = torch.tensor([slot(start_pos + n) for n in nodes])
+        dst = torch.tensor([slot(start_pos + 1 + i) for i in range(len(nodes))])
+        for k, v in self.kv_caches:
+            k[:, dst] = k[:, src]
+            v[:, dst] = v[:, src]

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from tessera.config import SamplingParams
+from tessera.spec.tree import Draft
 
 
 class RequestStatus(enum.Enum):
@@ -48,6 +49,10 @@ class Request:
     num_preemptions: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
+    draft: Draft | None = None          # a draft tree to verify with the next decode token
+    spec_synced: int = 0                # tokens the proposer has seen (0: it knows nothing)
+    accepted_tokens: int = 0            # draft tokens accepted / verified and rejected so far
+    rejected_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

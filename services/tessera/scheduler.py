@@ -24,6 +24,7 @@ class ScheduledRequest:
     start_pos: int                 # position of token_ids[0]
     block_table: tuple[int, ...]
     sample: bool                   # True when this chunk reaches the end of the request
+    tree_parents: tuple[int, ...] = ()  # a draft tree after token_ids[0]: see spec/tree.Draft
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = self._with_draft(request, budget)
             if not self._allocate_or_preempt(request, n, preempted):
                 break
             scheduled.append(self._entry(request, n))
@@ -97,6 +98,22 @@ class Scheduler:
             budget -= n
         return StepPlan(tuple(scheduled), tuple(preempted))
 
+    def _with_draft(self, request: Request, budget: int) -> int:
+        """Tokens to compute for a running request: its draft tree rides along with a decode
+        token when the budget and free blocks allow it without preempting anybody (else it is
+        dropped: the round decodes plainly)."""
+        n = min(request.num_tokens - request.num_computed_tokens, budget)
+        draft = request.draft
+        if draft is None:
+            return n
+        total = request.num_computed_tokens + 1 + len(draft)
+        table = self.kv.block_tables.get(request.request_id, [])
+        if (n == 1 and request.num_computed_tokens > 0 and 1 + len(draft) <= budget
+                and self.kv.blocks_for(total) - len(table) <= self.kv.num_free_blocks):
+            return 1 + len(draft)
+        request.draft = None
+        return n
+
     def _allocate_or_preempt(self, request: Request, n: int, preempted: list[str]) -> bool:
         """Grow the request's blocks, preempting the newest running requests until it fits."""
         while not self.kv.allocate(request.request_id, request.num_computed_tokens + n):
@@ -110,23 +127,30 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
+        request.draft = None
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
     def _entry(self, request: Request, n: int) -> ScheduledRequest:
         start = request.num_computed_tokens
+        draft, request.draft = request.draft, None
+        tokens = tuple(request.all_token_ids[start:start + n])
+        if draft is not None and n == 1 + len(draft):
+            return ScheduledRequest(request.request_id, tokens[:1] + draft.tokens, start,
+                                    tuple(self.kv.block_tables[request.request_id]), True, draft.parents)
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=tuple(request.all_token_ids[start:start + n]),
+            token_ids=tokens,
             start_pos=start,
             block_table=tuple(self.kv.block_tables[request.request_id]),
             sample=start + n == request.num_tokens,
         )
 
     def on_step_done(self, plan: StepPlan) -> None:
-        """Advance num_computed_tokens of every request the plan computed."""
+        """Advance num_computed_tokens of every request the plan computed. Of a draft tree only
+        the decode token counts here; the engine adds the accepted path after verification."""
         for entry in plan.scheduled:
             request = self.requests.get(entry.request_id)
             if request is not None:
-                request.num_computed_tokens += len(entry.token_ids)
+                request.num_computed_tokens += 1 if entry.tree_parents else len(entry.token_ids)
