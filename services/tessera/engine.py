@@ -51,6 +51,26 @@ class RequestOutput:
     rejected_tokens: int = 0          # and verified but rejected so far
 
 
+@dataclass
+class SpecStats:
+    """Tree verification counters since start (exported as metrics): acceptance length is
+    emitted / verify_rounds."""
+    verify_rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0
+
+    def count(self, drafted: int, accepted: int, emitted: int) -> None:
+        self.verify_rounds += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        self.emitted_tokens += emitted
+
+    @property
+    def acceptance_length(self) -> float:
+        return self.emitted_tokens / self.verify_rounds if self.verify_rounds else 0.0
+
+
 class EngineError(RuntimeError):
     pass
 
@@ -105,6 +125,7 @@ class Engine:
         self._default_generator = torch.Generator().manual_seed(0)
         self._ids = itertools.count()
         self.proposer = proposer or make_proposer(config.speculative, model, self.dtype, self.max_model_len)
+        self.spec_stats = SpecStats()
 
     @functools.cached_property
     def compat_hash(self) -> str:
@@ -230,6 +251,7 @@ class Engine:
         path = accept(draft, draw)
         request.accepted_tokens += len(path)
         request.rejected_tokens += len(draft) - len(path)
+        self.spec_stats.count(len(draft), len(path), len(outs))
         if not outs[-1].finished:
             self.runner.keep_path(entry.block_table, entry.start_pos, path)
             request.num_computed_tokens += len(path)

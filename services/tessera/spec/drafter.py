@@ -50,26 +50,29 @@ class TreeDrafter:
     @torch.inference_mode()
     def expand(self) -> int:
         """One draft forward over the `width` most probable unexpanded nodes; their top
-        `width` children join the tree. Returns how many nodes were expanded (0: cache full)."""
-        self._flush_pending()
-        leaves = [n for n in self.tree.frontier(self.width)]
-        room = self.capacity - self.used
-        if room < len(leaves):
-            leaves = leaves[:max(room, 0)]
+        `width` children join the tree. Verified tokens still pending (after a miss) ride in
+        the same forward ahead of them. Returns how many nodes were expanded (0: cache full)."""
+        pending, p = self.pending, self.prefix
+        leaves = self.tree.frontier(self.width)[:max(self.capacity - self.used, 0)]
         if not leaves:
             return 0
-        start = self.prefix + len(self.slot)
+        start = p + len(self.slot)            # pending is non-empty only when no node has a slot
+        base = start + len(pending)
         for i, n in enumerate(leaves):
-            self.slot[n] = start + i
-        mask = torch.zeros(len(leaves), start + len(leaves), dtype=torch.bool)
-        mask[:, :self.prefix] = True
+            self.slot[n] = base + i
+        q = len(pending)
+        mask = torch.zeros(q + len(leaves), base + len(leaves), dtype=torch.bool)
+        mask[:q, :p + q] = torch.arange(p + q)[None, :] <= torch.arange(p, p + q)[:, None]
+        mask[q:, :p + q] = True
         for i, n in enumerate(leaves):
             a = n
             while a != -1:
-                mask[i, self.slot[a]] = True
+                mask[q + i, self.slot[a]] = True
                 a = self.tree.parents[a]
-        positions = [self.prefix + self.tree.depths[n] for n in leaves]
-        logits = self._forward([self.tree.tokens[n] for n in leaves], start, positions, mask)
+        positions = list(range(p, p + q)) + [p + q + self.tree.depths[n] for n in leaves]
+        tokens = pending + [self.tree.tokens[n] for n in leaves]
+        logits = self._forward(tokens, start, positions, mask)[q:]
+        self.prefix, self.pending = p + q, []
         top = torch.log_softmax(logits, dim=-1).topk(self.width, dim=-1)
         for i, n in enumerate(leaves):
             self.tree.expanded[n] = True
@@ -115,17 +118,7 @@ class TreeDrafter:
                 for cache in kv:
                     cache[:, dst:dst + len(src)] = cache[:, idx]
 
-    def _flush_pending(self) -> None:
-        """Forward verified tokens the tree did not hold (after a miss), causally after the prefix."""
-        if not self.pending:
-            return
-        n, p = len(self.pending), self.prefix
-        mask = torch.arange(p + n)[None, :] <= torch.arange(p, p + n)[:, None]
-        self._forward(self.pending, p, list(range(p, p + n)), mask, logits=False)
-        self.prefix, self.pending = p + n, []
-
-    def _forward(self, tokens: list[int], start: int, positions: list[int], mask: torch.Tensor,
-                 logits: bool = True) -> torch.Tensor | None:
+    def _forward(self, tokens: list[int], start: int, positions: list[int], mask: torch.Tensor) -> torch.Tensor:
         """Run `tokens` into slots start.. with explicit positions and mask over slots [0, start + n)."""
         n = len(tokens)
         slots = torch.arange(start, start + n)
@@ -137,4 +130,4 @@ class TreeDrafter:
             prefills=[PrefillChunk(0, n, start, torch.arange(start + n), mask)],
             logits_idx=torch.arange(n), block_size=1)
         x = run_layers(self.model, self.model.embed_tokens(batch.input_ids), batch, self.kv, self.layers)
-        return self.model.compute_logits(self.model.norm(x)) if logits else None
+        return self.model.compute_logits(self.model.norm(x))

@@ -15,8 +15,9 @@ from typing import Protocol, Sequence
 
 import torch
 
-from tessera.config import ConfigError, SpeculativeConfig
+from tessera.config import SpeculativeConfig
 from tessera.models.llama import CausalLM
+from tessera.spec.draft_models import draft_model
 from tessera.spec.drafter import TreeDrafter
 from tessera.spec.tree import Draft
 
@@ -40,21 +41,6 @@ class Proposer(Protocol):
 
     def finish(self, request_id: str) -> None:
         """Forget a request (finished, aborted, or handed to plain decoding); idempotent."""
-
-
-def draft_model(spec: str, target: CausalLM | None, dtype: torch.dtype) -> tuple[CausalLM, range]:
-    """'self:K' -> the target's own first K layers (weights shared); anything else names a
-    model the loader reads (it must share the target's tokenizer)."""
-    if spec.startswith("self:"):
-        if target is None:
-            raise ConfigError("a self-draft needs the target model", "speculative")
-        k = int(spec.removeprefix("self:"))
-        if not 1 <= k <= len(target.layers):
-            raise ConfigError(f"self:K needs 1 <= K <= {len(target.layers)}", "speculative")
-        return target, range(k)
-    from tessera.models.loader import load_model
-    model, _ = load_model(spec, dtype)
-    return model, range(len(model.layers))
 
 
 class SerialProposer:
