@@ -277,6 +277,8 @@ COMMANDS = {
                        *_module_command("tessera.bench.m2n_bench")),
     ("bench", "afd"): ("AFD decode throughput for m = 1, 2, 3 vs the monolithic engine",
                        *_module_command("tessera.bench.afd_bench")),
+    ("bench", "spec"): ("batch-1 decode speed: plain vs serial vs disaggregated tree speculation, with "
+                        "the simulator's predictions", *_module_command("tessera.bench.spec_bench")),
     ("profile",): ("measure T_a(b), T_e(b), T_c(b), T_o(b) here; write a JSON profile",
                    *_module_command("tessera.disagg.profile")),
     ("plan", "afd"): ("MegaScale-Infer plan search (Algorithm 1); writes a topology file",
