@@ -45,12 +45,15 @@ class AsyncEngine:
         return self._thread.is_alive() and self.error is None
 
     def info(self) -> WorkerInfo:
-        e = self.engine
+        e, spec = self.engine, self.engine.spec_stats
         return WorkerInfo(
             model_id=e.model_id, max_model_len=e.max_model_len, num_kv_blocks=e.kv.num_blocks,
             kv_block_size=e.kv.block_size, num_free_kv_blocks=e.kv.num_free_blocks,
             num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting) + self._pending,
-            dtype=str(e.dtype).removeprefix("torch."), role=self.role, compat=self.compat)
+            dtype=str(e.dtype).removeprefix("torch."), role=self.role, compat=self.compat,
+            speculative=_drafter(e.config.speculative), spec_verify_rounds=spec.verify_rounds,
+            spec_draft_tokens=spec.draft_tokens, spec_accepted_tokens=spec.accepted_tokens,
+            spec_emitted_tokens=spec.emitted_tokens)
 
     async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateChunk]:
         """Tokenize here, then hand the request to the engine thread, which validates it
@@ -154,7 +157,15 @@ class AsyncEngine:
         return GenerateChunk(text=out.new_text, token_ids=tuple(out.new_token_ids), logprobs=lps,
                              finish_reason=out.finish_reason, prompt_tokens=out.prompt_tokens,
                              completion_tokens=out.completion_tokens,
-                             prompt_token_ids=tuple(prompt or ()))
+                             prompt_token_ids=tuple(prompt or ()), accepted_tokens=out.accepted_tokens,
+                             rejected_tokens=out.rejected_tokens)
+
+
+def _drafter(spec) -> str:
+    """Who drafts, for Info: "" (no speculation), "self:2" (in process), "self:2 @ host:port"."""
+    if spec.draft is None:
+        return ""
+    return f"{spec.draft} @ {spec.draft_address}" if spec.draft_address else spec.draft
 
 
 def admission_error(e: Exception, prompt_param: str) -> WorkerError:

@@ -1,5 +1,5 @@
-"""`tessera` command line: serve | up | render | probe | keys add | worker | attention-node | expert-node | gateway |
-model init-random | bench engine | bench serve | bench m2n | bench afd | profile | plan afd.
+"""`tessera` command line: serve | up | render | probe | keys add | worker | attention-node | expert-node |
+draft-worker | gateway | model init-random | bench engine | bench serve | bench m2n | bench afd | profile | plan afd.
 
 Only argument parsing: each command builds its configs and calls its entrypoint
 (entrypoints/<role>.py, deploy/, bench/, disagg/). Config flags are generated from the frozen
@@ -13,7 +13,7 @@ import os
 import sys
 
 from tessera import cluster_auth
-from tessera.config import AfdConfig, ConfigError, EngineConfig
+from tessera.config import AfdConfig, ConfigError, EngineConfig, SpeculativeConfig
 from tessera.deploy.supervisor import SupervisorConfig
 from tessera.entrypoints.flags import add_flags, from_args
 
@@ -38,7 +38,8 @@ def _gateway_configs(a: argparse.Namespace, exclude=()):
 def cmd_serve(a: argparse.Namespace) -> int:
     from tessera.entrypoints.serve import GATEWAY_FIELDS_SET_BY_SERVE, main
     gateway, admission = _gateway_configs(a, exclude=GATEWAY_FIELDS_SET_BY_SERVE)
-    return main(from_args(EngineConfig, a), gateway, admission, a.worker_port, from_args(SupervisorConfig, a))
+    return main(from_args(EngineConfig, a), gateway, admission, a.worker_port, from_args(SupervisorConfig, a),
+                a.draft_port)
 
 
 def cmd_gateway(a: argparse.Namespace) -> int:
@@ -64,6 +65,14 @@ def cmd_expert_node(a: argparse.Namespace) -> int:
     from tessera.entrypoints.expert_node import main
     return main(a.model, a.dtype, a.name, a.shard_index, a.shard_count, a.transport, a.host, a.port,
                 a.transport_advertise, a.experts, a.threads, a.shutdown_grace_s)
+
+
+def cmd_draft_worker(a: argparse.Namespace) -> int:
+    from tessera.entrypoints.draft_worker import main
+    from tessera.entrypoints.draft_worker import TARGET_ONLY_FIELDS
+    spec = from_args(SpeculativeConfig, a, exclude=TARGET_ONLY_FIELDS)
+    return main(spec, a.model, a.dtype, a.max_model_len, a.host, a.port, a.threads, a.cpu, _registration(a),
+                a.metrics_port, a.shutdown_grace_s)
 
 
 def cmd_up(a: argparse.Namespace) -> int:
@@ -159,6 +168,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     add_flags(p, EngineConfig)
     _gateway_flags(p, exclude=GATEWAY_FIELDS_SET_BY_SERVE)
     p.add_argument("--worker-port", type=int, default=int(os.environ.get("TESSERA_WORKER_PORT", 50051)))
+    p.add_argument("--draft-port", type=int, default=int(os.environ.get("TESSERA_DRAFT_PORT", 50081)),
+                   help="with --speculative (and no --draft-address): the draft worker's port (default: 50081)")
     add_flags(p, SupervisorConfig)
 
 
@@ -228,6 +239,18 @@ def _expert_node_args(p: argparse.ArgumentParser) -> None:
     _cluster_args(p)
 
 
+def _draft_worker_args(p: argparse.ArgumentParser) -> None:
+    from tessera.entrypoints.draft_worker import TARGET_ONLY_FIELDS
+    p.add_argument("--model", default="smollm2", help="the target model (a self:K draft runs its first K layers)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES)
+    p.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default: the draft model's)")
+    add_flags(p, SpeculativeConfig, exclude=TARGET_ONLY_FIELDS)
+    _address_args(p, 50081)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: 1)")
+    p.add_argument("--cpu", type=int, default=None, help="pin this process to this CPU core (Linux)")
+    _registry_args(p)
+
+
 def _init_random_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", required=True, choices=["llama", "mixtral", "qwen2_moe", "qwen3_moe"])
     p.add_argument("--out", required=True)
@@ -258,7 +281,8 @@ def _module_command(module: str):
 
 # (group, command): (help, add_args, run)
 COMMANDS = {
-    ("serve",): ("worker + gateway on the default model, restarted if they die", _serve_args, cmd_serve),
+    ("serve",): ("worker + gateway on the default model (+ a draft worker with --speculative), restarted if "
+                 "they die", _serve_args, cmd_serve),
     ("up",): ("run a topology file's processes here, restarted if they die (Ctrl-C drains them)",
               _up_args, cmd_up),
     ("keys", "add"): ("create a key (printed once; Redis keeps its SHA-256 and limits)", _keys_add_args,
@@ -269,6 +293,8 @@ COMMANDS = {
     ("attention-node",): ("AFD: attention, KV cache, router and sampler (a worker)", _attention_node_args,
                           cmd_attention_node),
     ("expert-node",): ("AFD: a share of every layer's FFN / experts", _expert_node_args, cmd_expert_node),
+    ("draft-worker",): ("speculative decoding: drafts trees for a target worker's --draft-address",
+                        _draft_worker_args, cmd_draft_worker),
     ("gateway",): ("the OpenAI-compatible HTTP gateway", _gateway_args, cmd_gateway),
     ("model", "init-random"): ("write a tiny random checkpoint (HF format)", _init_random_args, cmd_init_random),
     ("bench", "engine"): ("offline engine throughput (no HTTP)", _bench_engine_args, cmd_bench_engine),

@@ -1,11 +1,13 @@
 """Prometheus metrics of the gateway, named tessera_* with a model_name label (the same
-shapes as vllm: / sglang: so existing dashboards carry over). Each app owns its registry."""
+shapes as vllm: / sglang: so existing dashboards carry over), and of the worker and draft
+worker processes (`--metrics-port`). Each app owns its registry."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tessera.worker_api import GenerateChunk, WorkerInfo
 
+_EMITTED = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 32)
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -29,6 +31,61 @@ class WorkerCollector:
             family = GaugeMetricFamily(name, doc, labels=labels)
             family.add_metric(values, value)
             yield family
+        yield from _counters("tessera_worker_spec_decode", labels, values, (
+            ("num_drafts", "Draft trees verified", info.spec_verify_rounds),
+            ("num_draft_tokens", "Draft tokens verified", info.spec_draft_tokens),
+            ("num_accepted_tokens", "Draft tokens the target accepted", info.spec_accepted_tokens),
+            ("num_emitted_tokens", "Tokens the verify rounds emitted", info.spec_emitted_tokens)))
+        rounds = info.spec_verify_rounds
+        length = GaugeMetricFamily("tessera_worker_spec_decode_acceptance_length",
+                                   "Tokens emitted per verify round since start (accepted + the target's own)",
+                                   labels=labels)
+        length.add_metric(values, info.spec_emitted_tokens / rounds if rounds else 0.0)
+        yield length
+
+
+def _counters(prefix: str, labels: list[str], values: list[str], rows):
+    from prometheus_client.core import CounterMetricFamily
+    for name, doc, value in rows:
+        family = CounterMetricFamily(f"{prefix}_{name}", doc, labels=labels)
+        family.add_metric(values, value)
+        yield family
+
+
+class DraftCollector:
+    """A draft worker's metrics (`--metrics-port`): rounds answered and refused (by reason:
+    malformed, out_of_sync), requests holding draft state, and the drafting work itself."""
+
+    def __init__(self, rounds, stats=None) -> None:
+        self.rounds, self.stats = rounds, stats
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        info = self.rounds.info()
+        requests = GaugeMetricFamily("tessera_draft_worker_requests", "Requests holding draft state",
+                                     labels=["model_name"])
+        requests.add_metric([info.model_id], info.requests)
+        yield requests
+        refused = CounterMetricFamily("tessera_draft_worker_refused_rounds", "Rounds refused, never applied",
+                                      labels=["model_name", "reason"])
+        for reason in ("malformed", "out_of_sync"):
+            refused.add_metric([info.model_id, reason], self.rounds.refused[reason])
+        yield refused
+        s = self.stats
+        yield from _counters("tessera_draft_worker", ["model_name"], [info.model_id], (
+            ("rounds", "Rounds answered", info.rounds),
+            *((("tree_hits", "Rounds whose new root was in the tree", s.hits),
+               ("expansions", "Draft forwards that grew a tree", s.expansions),
+               ("wasted_nodes", "Expanded nodes dropped by re-roots", s.wasted_nodes),
+               ("draft_seconds", "Time spent drafting", s.draft_seconds)) if s is not None else ())))
+
+
+def serve_draft_metrics(rounds, port: int, host: str = "127.0.0.1") -> None:
+    """A draft worker's Prometheus text on http://host:port/metrics."""
+    from prometheus_client import start_http_server
+    registry = CollectorRegistry()
+    registry.register(DraftCollector(rounds, rounds.stats))
+    start_http_server(port, addr=host, registry=registry)
 
 
 def serve_worker_metrics(engine, role: str, port: int, host: str = "127.0.0.1") -> None:
@@ -69,6 +126,14 @@ class GatewayMetrics:
         self._routed_seen: dict[str, int] = {}
         self._inflight = Gauge("tessera_gateway_requests_inflight", "Requests admitted and not finished",
                                labels, registry=r)
+        self._drafts = Counter("tessera_spec_decode_num_drafts", "Speculative verify rounds", labels, registry=r)
+        self._accepted = Counter("tessera_spec_decode_num_accepted_tokens", "Draft tokens the target accepted",
+                                 labels, registry=r)
+        self._rejected_drafts = Counter("tessera_spec_decode_num_rejected_tokens",
+                                        "Draft tokens verified and rejected", labels, registry=r)
+        self._acceptance = Histogram("tessera_spec_decode_acceptance_length",
+                                     "Tokens emitted per verify round (accepted + the target's own)", labels,
+                                     buckets=_EMITTED, registry=r)
         self._rejected = Gauge("tessera_gateway_rejected_requests", "Requests refused at admission, by status",
                                ["model_name", "status"], registry=r)
         self.model_name = model_name
@@ -79,6 +144,19 @@ class GatewayMetrics:
             return
         (self.ttft.observe(since_start) if first else self.itl.observe(since_last))
         self._gen.labels(self.model_name).inc(len(chunk.token_ids))
+
+    def observe_spec(self, chunk: GenerateChunk, seen: tuple[int, int]) -> tuple[int, int]:
+        """seen: the choice's (accepted, rejected) draft tokens before this chunk. A chunk that
+        moves them is one verify round (a worker sends one chunk per engine step), and its
+        tokens are what the round emitted: the acceptance length as engine.SpecStats counts it."""
+        accepted, rejected = chunk.accepted_tokens - seen[0], chunk.rejected_tokens - seen[1]
+        if accepted > 0 or rejected > 0:
+            m = self.model_name
+            self._drafts.labels(m).inc()
+            self._accepted.labels(m).inc(max(accepted, 0))
+            self._rejected_drafts.labels(m).inc(max(rejected, 0))
+            self._acceptance.labels(m).observe(len(chunk.token_ids))
+        return chunk.accepted_tokens, chunk.rejected_tokens
 
     def count(self, status: int) -> None:
         self.requests.labels(self.model_name, str(status)).inc()

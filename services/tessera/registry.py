@@ -30,12 +30,22 @@ class RegistryUnavailable(RuntimeError):
 @dataclass(frozen=True)
 class WorkerRecord:
     worker_id: str
-    role: str            # worker | attention
+    role: str            # worker | attention | draft (SERVING_ROLES take requests)
     model: str           # the served model id the gateway routes by
     address: str         # gRPC host:port
     capacity: int        # max running requests
     load: int = 0        # running + waiting at the last heartbeat
     version: str = ""    # compatibility hash (compatibility_hash): replicas a stream may move between
+
+
+# Roles the gateway routes requests to; others register for discovery only (a draft worker
+# answers draft rounds from its target, never a chat request).
+SERVING_ROLES = frozenset({"worker", "attention"})
+
+
+def serving(records: list[WorkerRecord]) -> list[WorkerRecord]:
+    """The records of processes that serve requests."""
+    return [r for r in records if r.role in SERVING_ROLES]
 
 
 # Bump when the engine's numerics or sampling change (a resumed stream must draw as it would have).

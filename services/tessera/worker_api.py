@@ -49,6 +49,8 @@ class GenerateChunk:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     prompt_token_ids: tuple[int, ...] = ()
+    accepted_tokens: int = 0          # speculative decoding: draft tokens accepted so far (this request)
+    rejected_tokens: int = 0          # and verified but rejected so far
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,11 @@ class WorkerInfo:
     dtype: str = ""
     role: str = "worker"
     compat: str = ""      # compatibility hash: a stream fails over only between equal hashes
+    speculative: str = ""            # who drafts ("" none, "self:2", "self:2 @ host:port")
+    spec_verify_rounds: int = 0      # since start (engine.SpecStats): draft trees verified,
+    spec_draft_tokens: int = 0       # their draft tokens,
+    spec_accepted_tokens: int = 0    # those the target accepted,
+    spec_emitted_tokens: int = 0     # and tokens the rounds emitted (acceptance length = emitted / rounds)
 
 
 class WorkerError(Exception):

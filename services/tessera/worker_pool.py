@@ -115,11 +115,12 @@ class WorkerPool:
         raise error
 
     async def watch(self, registry, model: str, interval_s: float = 1.0) -> None:
-        """Follow the registry's members of `model` until cancelled (last-known on outages)."""
-        from tessera.registry import RegistryUnavailable
+        """Follow the registry's members of `model` that serve requests (registry.SERVING_ROLES:
+        never a draft worker) until cancelled (last-known on outages)."""
+        from tessera.registry import RegistryUnavailable, serving
         while True:
             try:
-                records = await registry.list(model)
+                records = serving(await registry.list(model))
                 if not records and self.clients:
                     # An empty answer is what a Redis that just restarted gives before the
                     # workers' next heartbeat: keep the known members (dead ones fail fast and
@@ -147,8 +148,10 @@ class _Progress:
         self.generated: list[int] = []
         self.text_sent = 0
         self.compat: str | None = None     # every attempt runs on replicas with this hash
+        self.spec = self.spec_before = (0, 0)   # accepted, rejected draft tokens: so far; before this attempt
 
     def attempt(self, request: GenerateInput, n: int) -> GenerateInput:
+        self.spec_before = self.spec       # a worker counts from 0 for each attempt it gets
         if n == 1:
             return request
         rid = f"{request.request_id}-{n}"
@@ -165,4 +168,8 @@ class _Progress:
             chunk = dataclasses.replace(chunk, prompt_token_ids=())
         self.generated.extend(chunk.token_ids)
         self.text_sent += len(chunk.text)
+        accepted, rejected = self.spec_before
+        chunk = dataclasses.replace(chunk, accepted_tokens=accepted + chunk.accepted_tokens,
+                                    rejected_tokens=rejected + chunk.rejected_tokens)
+        self.spec = (chunk.accepted_tokens, chunk.rejected_tokens)
         return chunk

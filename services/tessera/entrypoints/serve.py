@@ -1,13 +1,18 @@
 """`tessera serve`: a worker and a gateway in front of it, as two processes under a Supervisor
 (deploy/supervisor.py): a worker that dies is restarted while the gateway keeps running, and
 SIGTERM / Ctrl-C drains both. Each process gets its settings as the flags that rebuild the
-same config dataclasses (flags.to_argv), so `serve`, `worker` and `gateway` cannot drift apart."""
+same config dataclasses (flags.to_argv), so `serve`, `worker` and `gateway` cannot drift apart.
+With --speculative (and no --draft-address) a draft worker runs beside them and the worker
+drafts through it (disaggregated speculative decoding); each gets one thread, and the draft
+its own core where there are two."""
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 from tessera.config import ConfigError, EngineConfig
 from tessera.deploy.supervisor import Child, Supervisor, SupervisorConfig, tessera_argv
+from tessera.entrypoints.draft_worker import TARGET_ONLY_FIELDS
 from tessera.entrypoints.flags import to_argv
 from tessera.entrypoints.gateway.admission import AdmissionConfig
 from tessera.entrypoints.gateway.main import ADMISSION_FLAGS, GatewayConfig
@@ -17,19 +22,41 @@ GATEWAY_FIELDS_SET_BY_SERVE = ("worker", "registry", "registry_prefix", "shutdow
 
 
 def process_args(engine: EngineConfig, gateway: GatewayConfig, admission: AdmissionConfig, worker_port: int,
-                 grace_s: float) -> tuple[list[str], list[str]]:
-    """The `tessera worker ...` and `tessera gateway ...` arguments."""
+                 grace_s: float, draft_port: int | None = None) -> tuple[list[str], list[str]]:
+    """The `tessera worker ...` and `tessera gateway ...` arguments; with draft_port the
+    worker drafts through the draft worker there, on one thread unless --threads says otherwise."""
     if admission.keys_from_redis:
         raise ConfigError("serve runs no Redis: keys from Redis need `tessera up` with a redis role")
+    if draft_port is not None:
+        engine = replace(engine, num_threads=engine.num_threads or 1, speculative=replace(
+            engine.speculative, draft_address=f"127.0.0.1:{draft_port}"))
     worker = ["worker", "--host", "127.0.0.1", "--port", str(worker_port), *to_argv(engine),
               "--shutdown-grace-s", f"{grace_s:g}"]
     gateway = replace(gateway, worker=(f"127.0.0.1:{worker_port}",), shutdown_grace_s=grace_s)
     return worker, ["gateway", *to_argv(gateway), *to_argv(admission, **ADMISSION_FLAGS)]
 
 
+def draft_worker_args(engine: EngineConfig, draft_port: int, grace_s: float) -> list[str]:
+    """The `tessera draft-worker ...` arguments: one thread, pinned to the last core this
+    process may use when it may use two or more (the target takes the other)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    pin = ["--cpu", str(cores[-1])] if len(cores) >= 2 else []
+    length = ["--max-model-len", str(engine.max_model_len)] if engine.max_model_len else []
+    return ["draft-worker", "--host", "127.0.0.1", "--port", str(draft_port), "--model", engine.model,
+            "--dtype", engine.dtype, *length, *to_argv(engine.speculative, exclude=TARGET_ONLY_FIELDS),
+            "--threads", "1", *pin, "--shutdown-grace-s", f"{grace_s:g}"]
+
+
 def main(engine: EngineConfig, gateway: GatewayConfig, admission: AdmissionConfig, worker_port: int,
-         supervisor: SupervisorConfig = SupervisorConfig()) -> int:
-    worker_args, gateway_args = process_args(engine, gateway, admission, worker_port, supervisor.shutdown_grace_s)
-    children = [Child("worker-0", "worker", tessera_argv(worker_args)),
-                Child("gateway-0", "gateway", tessera_argv(gateway_args))]
+         supervisor: SupervisorConfig = SupervisorConfig(), draft_port: int = 50081) -> int:
+    grace = supervisor.shutdown_grace_s
+    # A draft worker of our own unless --draft-address names one; the target decodes plainly
+    # while it is down, so it is not essential.
+    own_draft = engine.speculative.draft is not None and not engine.speculative.draft_address
+    worker_args, gateway_args = process_args(engine, gateway, admission, worker_port, grace,
+                                             draft_port if own_draft else None)
+    children = [Child("draft-worker-0", "draft_worker", tessera_argv(draft_worker_args(engine, draft_port, grace)),
+                      essential=False)] if own_draft else []
+    children += [Child("worker-0", "worker", tessera_argv(worker_args)),
+                 Child("gateway-0", "gateway", tessera_argv(gateway_args))]
     return Supervisor(children, supervisor, "tessera serve").run()

@@ -25,6 +25,15 @@ class Choice:
     logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
+    accepted_tokens: int = 0      # speculative decoding: draft tokens accepted (cumulative per choice)
+    rejected_tokens: int = 0
+
+    def add(self, item: GenerateChunk) -> None:
+        """Take one chunk's text, tokens and counts (logprobs and finish reason are the caller's)."""
+        self.text += item.text
+        self.token_ids.extend(item.token_ids)
+        self.prompt_tokens = item.prompt_tokens
+        self.accepted_tokens, self.rejected_tokens = item.accepted_tokens, item.rejected_tokens
 
 
 async def merged(client: WorkerClient, inputs: list[GenerateInput], metrics: GatewayMetrics | None
@@ -35,11 +44,13 @@ async def merged(client: WorkerClient, inputs: list[GenerateInput], metrics: Gat
 
     async def pump(i: int, inp: GenerateInput) -> None:
         start = last = time.monotonic()
+        spec = (0, 0)      # this choice's accepted, rejected draft tokens so far
         try:
             async for chunk in client.generate(inp):
                 now = time.monotonic()
                 if metrics is not None:
                     metrics.observe_token(chunk, now - start, now - last, first=last == start)
+                    spec = metrics.observe_spec(chunk, spec)
                 last = now
                 await queue.put((i, chunk))
         except WorkerError as e:
@@ -73,19 +84,25 @@ async def collect(client: WorkerClient, inputs: list[GenerateInput], metrics: Ga
         if isinstance(item, WorkerError):
             raise item
         c = choices[i]
-        c.text += item.text
-        c.token_ids.extend(item.token_ids)
+        c.add(item)
         c.logprobs.extend(item.logprobs)
-        c.prompt_tokens = item.prompt_tokens
         c.finish_reason = item.finish_reason or c.finish_reason
     return choices
 
 
 def usage(choices: list[Choice], n: int) -> dict:
-    """Prompt tokens count once per prompt (every n-th choice); completion tokens per choice."""
+    """Prompt tokens count once per prompt (every n-th choice); completion tokens per choice.
+    completion_tokens_details (accepted / rejected prediction tokens, OpenAI's names) appears
+    only when the worker verified draft tokens for this request, so plain decoding answers
+    exactly as before."""
     prompt = sum(c.prompt_tokens for c in choices[::n])
     completion = sum(len(c.token_ids) for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    body: dict = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    accepted, rejected = sum(c.accepted_tokens for c in choices), sum(c.rejected_tokens for c in choices)
+    if accepted or rejected:
+        body["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                             "rejected_prediction_tokens": rejected}
+    return body
 
 
 def chat_logprobs(lps) -> dict:
@@ -153,9 +170,7 @@ async def stream(first, events, num_choices: int, shape: StreamShape) -> AsyncIt
             return
         c = choices[i]
         offset = len(c.text)
-        c.text += item.text
-        c.token_ids.extend(item.token_ids)
-        c.prompt_tokens = item.prompt_tokens
+        c.add(item)
         c.finish_reason = item.finish_reason
         if not item.text and not item.finish_reason and not (shape.logprobs and item.logprobs):
             continue

@@ -6,8 +6,10 @@ import grpc
 
 from tessera.config import SamplingParams
 from tessera.disagg.control import ConnectReply, ConnectRequest, ExpertInfo, LinkRefused
+from tessera.draft_api import DraftInfo, DraftRound, RoundRefused
 from tessera.request import Resume
-from tessera.rpc.v1 import common_pb2, expert_pb2, worker_pb2
+from tessera.rpc.v1 import common_pb2, draft_pb2, expert_pb2, worker_pb2
+from tessera.spec.tree import Draft
 from tessera.worker_api import (ContextLengthExceeded, GenerateChunk, GenerateInput, InternalError,
                                 InvalidRequest, Saturated, TokenLogprobInfo, TopToken, Unavailable,
                                 WorkerError, WorkerInfo)
@@ -69,7 +71,8 @@ def chunk_to_proto(c: GenerateChunk) -> worker_pb2.GenerateResponse:
     return worker_pb2.GenerateResponse(
         text=c.text, token_ids=list(c.token_ids), finish_reason=c.finish_reason or "",
         usage=common_pb2.Usage(prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens),
-        prompt_token_ids=list(c.prompt_token_ids),
+        prompt_token_ids=list(c.prompt_token_ids), accepted_prediction_tokens=c.accepted_tokens,
+        rejected_prediction_tokens=c.rejected_tokens,
         logprobs=[worker_pb2.TokenLogprob(
             token_id=lp.token_id, token=lp.token, logprob=lp.logprob, token_bytes=lp.token_bytes,
             top=[worker_pb2.TopLogprob(token_id=t.token_id, token=t.token, logprob=t.logprob,
@@ -81,7 +84,8 @@ def chunk_from_proto(msg: worker_pb2.GenerateResponse) -> GenerateChunk:
     return GenerateChunk(
         text=msg.text, token_ids=tuple(msg.token_ids), finish_reason=msg.finish_reason or None,
         prompt_tokens=msg.usage.prompt_tokens, completion_tokens=msg.usage.completion_tokens,
-        prompt_token_ids=tuple(msg.prompt_token_ids),
+        prompt_token_ids=tuple(msg.prompt_token_ids), accepted_tokens=msg.accepted_prediction_tokens,
+        rejected_tokens=msg.rejected_prediction_tokens,
         logprobs=tuple(TokenLogprobInfo(
             lp.token_id, lp.token, lp.logprob, lp.token_bytes,
             tuple(TopToken(t.token_id, t.token, t.logprob, t.token_bytes) for t in lp.top))
@@ -92,12 +96,16 @@ def info_to_proto(i: WorkerInfo) -> worker_pb2.InfoResponse:
     return worker_pb2.InfoResponse(
         model_id=i.model_id, max_model_len=i.max_model_len, num_kv_blocks=i.num_kv_blocks,
         kv_block_size=i.kv_block_size, num_free_kv_blocks=i.num_free_kv_blocks,
-        num_running=i.num_running, num_waiting=i.num_waiting, dtype=i.dtype, role=i.role, compat=i.compat)
+        num_running=i.num_running, num_waiting=i.num_waiting, dtype=i.dtype, role=i.role, compat=i.compat,
+        speculative=i.speculative, spec_verify_rounds=i.spec_verify_rounds, spec_draft_tokens=i.spec_draft_tokens,
+        spec_accepted_tokens=i.spec_accepted_tokens, spec_emitted_tokens=i.spec_emitted_tokens)
 
 
 def info_from_proto(m: worker_pb2.InfoResponse) -> WorkerInfo:
     return WorkerInfo(m.model_id, m.max_model_len, m.num_kv_blocks, m.kv_block_size,
-                      m.num_free_kv_blocks, m.num_running, m.num_waiting, m.dtype, m.role, m.compat)
+                      m.num_free_kv_blocks, m.num_running, m.num_waiting, m.dtype, m.role, m.compat,
+                      m.speculative, m.spec_verify_rounds, m.spec_draft_tokens, m.spec_accepted_tokens,
+                      m.spec_emitted_tokens)
 
 
 # WorkerError <-> gRPC status. The error class travels in the details as "<code>|<param>|<message>".
@@ -161,3 +169,35 @@ def link_error_from_status(code: grpc.StatusCode, details: str | None) -> Except
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         return LinkRefused(details or "link refused")
     return Unavailable(f"expert node unavailable: {details or code.name}")
+
+
+# The draft worker (draft.proto) <-> tessera.draft_api and spec.tree.Draft.
+def round_to_proto(r: DraftRound) -> draft_pb2.RoundRequest:
+    return draft_pb2.RoundRequest(request_id=r.request_id, round=r.round, token_ids=list(r.token_ids),
+                                  num_tokens=r.num_tokens, size=r.size)
+
+
+def round_from_proto(m: draft_pb2.RoundRequest) -> DraftRound:
+    return DraftRound(m.request_id, m.round, tuple(m.token_ids), m.num_tokens, m.size)
+
+
+def draft_to_proto(round_: int, d: Draft) -> draft_pb2.RoundReply:
+    return draft_pb2.RoundReply(round=round_, tokens=list(d.tokens), parents=list(d.parents))
+
+
+def draft_from_proto(m: draft_pb2.RoundReply) -> tuple[int, Draft]:
+    """(the round it answers, the subtree); ValueError when the tree is not well formed."""
+    return m.round, Draft(tuple(m.tokens), tuple(m.parents))
+
+
+def draft_info_to_proto(i: DraftInfo) -> draft_pb2.DraftInfoReply:
+    return draft_pb2.DraftInfoReply(model_id=i.model_id, role=i.role, layers=i.layers, vocab_size=i.vocab_size,
+                                    max_len=i.max_len, requests=i.requests, rounds=i.rounds, refused=i.refused)
+
+
+def draft_info_from_proto(m: draft_pb2.DraftInfoReply) -> DraftInfo:
+    return DraftInfo(m.model_id, m.layers, m.vocab_size, m.max_len, m.requests, m.rounds, m.refused, m.role)
+
+
+def refusal_to_status(e: RoundRefused) -> tuple[grpc.StatusCode, str]:
+    return (grpc.StatusCode.FAILED_PRECONDITION if e.out_of_sync else grpc.StatusCode.INVALID_ARGUMENT), str(e)

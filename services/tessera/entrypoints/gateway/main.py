@@ -85,13 +85,13 @@ def main(config: GatewayConfig, admission: AdmissionConfig) -> int:
 
 
 async def _wait_for_registered(url: str, prefix: str, model: str | None, wait_s: float):
-    from tessera.registry import RedisRegistry, RegistryUnavailable
+    from tessera.registry import RedisRegistry, RegistryUnavailable, serving
     registry = RedisRegistry(url, prefix=prefix)
     deadline = time.monotonic() + wait_s
     try:
         while True:
             try:
-                records = await registry.list(model)
+                records = serving(await registry.list(model))
                 if records:
                     return records[0]
             except RegistryUnavailable:
