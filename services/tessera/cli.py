@@ -1,5 +1,5 @@
 """`tessera` command line: serve | up | render | probe | keys add | worker | attention-node | expert-node |
-draft-worker | gateway | model init-random | bench engine | bench serve | bench m2n | bench afd | profile | plan afd.
+target-worker | draft-worker | gateway | model init-random | bench engine | bench serve | bench m2n | bench afd | profile | plan afd.
 
 Only argument parsing: each command builds its configs and calls its entrypoint
 (entrypoints/<role>.py, deploy/, bench/, disagg/). Config flags are generated from the frozen
@@ -50,6 +50,14 @@ def cmd_gateway(a: argparse.Namespace) -> int:
 def cmd_worker(a: argparse.Namespace) -> int:
     from tessera.entrypoints.worker import main
     return main(from_args(EngineConfig, a), a.host, a.port, _registration(a), a.metrics_port, a.shutdown_grace_s)
+
+
+def cmd_target_worker(a: argparse.Namespace) -> int:
+    """A worker that verifies the draft trees of its draft worker (it registers as a worker)."""
+    spec = from_args(EngineConfig, a).speculative
+    if spec.draft is None or not spec.draft_address:
+        raise ConfigError("a target worker needs --speculative and --draft-address (its draft worker)")
+    return cmd_worker(a)
 
 
 def cmd_attention_node(a: argparse.Namespace) -> int:
@@ -293,6 +301,8 @@ COMMANDS = {
     ("attention-node",): ("AFD: attention, KV cache, router and sampler (a worker)", _attention_node_args,
                           cmd_attention_node),
     ("expert-node",): ("AFD: a share of every layer's FFN / experts", _expert_node_args, cmd_expert_node),
+    ("target-worker",): ("speculative decoding: a worker verifying the trees of its --draft-address",
+                         _worker_args, cmd_target_worker),
     ("draft-worker",): ("speculative decoding: drafts trees for a target worker's --draft-address",
                         _draft_worker_args, cmd_draft_worker),
     ("gateway",): ("the OpenAI-compatible HTTP gateway", _gateway_args, cmd_gateway),

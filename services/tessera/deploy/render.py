@@ -25,6 +25,8 @@ CACHE = "/root/.cache/tessera"     # random:ARCH models are created here once (a
 RESOURCES = {   # requests per role: enough for the default model on CPU
     "redis": {"cpu": "100m", "memory": "128Mi"},
     "worker": {"cpu": "1", "memory": "3Gi"},
+    "draft_worker": {"cpu": "1", "memory": "3Gi"},     # a self:K draft loads the whole target
+    "target_worker": {"cpu": "1", "memory": "3Gi"},
     "attention_node": {"cpu": "1", "memory": "3Gi"},
     "expert_node": {"cpu": "1", "memory": "2Gi"},
     "gateway": {"cpu": "500m", "memory": "1Gi"},
@@ -59,8 +61,9 @@ def _health_target(p: Process) -> str:
 def compose(topology: Topology) -> dict:
     procs = topology.processes(SERVICES)
     names = {role: [p.name for p in procs if p.role == role] for role in topology.roles}
-    needs = {"worker": ["redis"], "attention_node": ["expert_node", "redis"], "gateway":
-             ["worker", "attention_node", "redis"]}
+    # A target worker does not wait for its draft worker: it decodes plainly until the draft answers.
+    needs = {"worker": ["redis"], "draft_worker": ["redis"], "target_worker": ["redis"],
+             "attention_node": ["expert_node", "redis"], "gateway": ["worker", "target_worker", "attention_node", "redis"]}
     services = {}
     for p in procs:
         if p.role == "redis":

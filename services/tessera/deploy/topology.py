@@ -12,8 +12,12 @@ Kubernetes files (deploy/compose/, deploy/k8s/).
       worker:  {replicas: 2, port: 50051}
       gateway: {replicas: 1, port: 8000}
 
-A worker or attention_node role may set its engine's limits: max_num_seqs (the batch B),
-max_num_batched_tokens, num_kv_blocks or kv_cache_gib. An expert_node role may say which MoE
+A worker, target_worker or attention_node role may set its engine's limits: max_num_seqs (the
+batch B), max_num_batched_tokens, num_kv_blocks or kv_cache_gib. Speculative decoding
+(SwiftSpec) pairs draft_worker replica i with target_worker replica i (equal replicas): the
+draft_worker role names the drafter (`speculative: self:8`) and may set the tree (tree_size,
+width, depth), which its target verifies; the target_worker may set disable_batch_size. A
+draft worker registers with role "draft", which the gateway never routes to. An expert_node role may say which MoE
 experts each replica holds, e.g. `experts: ["0,2,4,6", "1,3,5,7"]` (default: contiguous
 ranges). Replica i of a role listens on port + i (distinct ports, so every role can also run
 side by side on one host). With a `redis` role, workers and attention nodes register
@@ -31,12 +35,17 @@ import yaml
 
 from tessera.config import ConfigError
 
-ROLE_ORDER = ("redis", "worker", "expert_node", "attention_node", "gateway")
+ROLE_ORDER = ("redis", "worker", "draft_worker", "target_worker", "expert_node", "attention_node", "gateway")
+ENGINE_ROLES = ("worker", "target_worker", "attention_node")      # they run an engine that serves requests
 # Engine limits of the roles that run an engine, passed as the flags of the same name: a plan
 # (`tessera plan afd`) sets the batch B (max_num_seqs), a step's token budget and a KV cache
 # that holds B requests.
 ENGINE_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_gib")
-ROLE_OPTIONS = {"replicas", "port", "threads", "micro_batches", "ffn_timeout_s", "experts", *ENGINE_OPTIONS}
+# The drafter and its tree (draft_worker role), as the flags of SpeculativeConfig.
+SPEC_OPTIONS = {"speculative": "--speculative", "tree_size": "--spec-tree-size", "width": "--spec-width",
+                "depth": "--spec-depth"}
+ROLE_OPTIONS = {"replicas", "port", "threads", "micro_batches", "ffn_timeout_s", "experts", "disable_batch_size",
+                *ENGINE_OPTIONS, *SPEC_OPTIONS}
 HOST = "127.0.0.1"
 
 
@@ -127,16 +136,30 @@ class Topology:
             if "experts" in spec and (name != "expert_node" or not isinstance(spec["experts"], list)
                                       or len(spec["experts"]) != replicas):
                 raise ConfigError(f"{path}: 'experts' is a list with one expert set per expert_node replica")
-            if name not in ("worker", "attention_node") and set(spec) & set(ENGINE_OPTIONS):
-                raise ConfigError(f"{path}: {sorted(set(spec) & set(ENGINE_OPTIONS))} apply to workers and "
-                                  "attention nodes only")
+            if name not in ENGINE_ROLES and set(spec) & set(ENGINE_OPTIONS):
+                raise ConfigError(f"{path}: {sorted(set(spec) & set(ENGINE_OPTIONS))} apply to workers, target "
+                                  "workers and attention nodes only")
+            if (name == "draft_worker") != bool(set(spec) & set(SPEC_OPTIONS)) or \
+                    (name == "draft_worker" and "speculative" not in spec):
+                raise ConfigError(f"{path}: a draft_worker role names its drafter (speculative: self:K) and "
+                                  "only it takes the tree options")
+            if "disable_batch_size" in spec and name != "target_worker":
+                raise ConfigError(f"{path}: disable_batch_size applies to target workers only")
             roles[name] = Role(name, replicas, int(port), spec)
-        if "gateway" not in roles or not ({"worker", "attention_node"} & set(roles)):
-            raise ConfigError(f"{path}: a topology needs a gateway and workers or attention nodes")
-        if ("attention_node" in roles) != ("expert_node" in roles):
-            raise ConfigError(f"{path}: attention nodes and expert nodes come together")
+        _check_pairs(path, roles)
         return cls(data.get("name", pathlib.Path(path).stem), str(data.get("model", "smollm2")),
                    str(data.get("dtype", "auto")), str(data.get("transport", "auto")), roles)
+
+    def _spec_flags(self, i: int, place: Placement, target: bool) -> list[str]:
+        """The drafter and tree flags, the same for a draft worker and its target; the target
+        also dials its draft worker (replica i)."""
+        draft = self.roles["draft_worker"]
+        argv = [a for k, flag in SPEC_OPTIONS.items() if k in draft.options for a in (flag, str(draft.options[k]))]
+        if target:
+            argv += ["--draft-address", place.address(draft, i)]
+            if "disable_batch_size" in self.roles["target_worker"].options:
+                argv += ["--spec-disable-batch-size", str(self.roles["target_worker"].options["disable_batch_size"])]
+        return argv
 
     def with_overrides(self, port: int | None = None, dtype: str | None = None) -> "Topology":
         roles = dict(self.roles)
@@ -179,6 +202,10 @@ class Topology:
                      "--advertise", place.advertise(role, i)] if self.registry else [])
         if role.name == "worker":
             return ["worker", *model, *common, *threads, *limits, *register]
+        if role.name in ("draft_worker", "target_worker"):
+            return [role.name.replace("_", "-"), *model, *common, *threads,
+                    *(limits if role.name == "target_worker" else []),
+                    *self._spec_flags(i, place, target=role.name == "target_worker"), *register]
         if role.name == "expert_node":
             experts = ["--experts", str(role.options["experts"][i])] if "experts" in role.options else []
             return ["expert-node", *model, *common, *threads, "--name", f"expert-{i}", "--shard-index", str(i),
@@ -196,5 +223,17 @@ class Topology:
         argv = ["gateway", *common]
         if self.registry:
             return argv + ["--registry", self.redis_url(place), "--registry-prefix", self.registry_prefix]
-        backends = self.roles.get("attention_node") or self.roles["worker"]
+        backends = self.roles.get("attention_node") or self.roles.get("target_worker") or self.roles["worker"]
         return argv + [a for j in range(backends.replicas) for a in ("--worker", place.address(backends, j))]
+
+
+def _check_pairs(path, roles: dict) -> None:
+    """Roles that only work together are there together."""
+    if "gateway" not in roles or not (set(ENGINE_ROLES) & set(roles)):
+        raise ConfigError(f"{path}: a topology needs a gateway and workers, target workers or attention nodes")
+    if ("attention_node" in roles) != ("expert_node" in roles):
+        raise ConfigError(f"{path}: attention nodes and expert nodes come together")
+    drafts, targets = roles.get("draft_worker"), roles.get("target_worker")
+    if (drafts is None) != (targets is None) or (drafts and drafts.replicas != targets.replicas):
+        raise ConfigError(f"{path}: draft workers and target workers come together, one draft per target "
+                          "(equal replicas)")

@@ -18,7 +18,9 @@ from tessera.deploy.supervisor import Child, Supervisor, SupervisorConfig, stop,
 from tessera.deploy.topology import LOCAL, Topology
 
 __all__ = ["stop", "tessera_argv", "up"]
-DRAINING_ROLES = ("worker", "attention_node", "expert_node", "gateway")   # they take --shutdown-grace-s
+DRAINING_ROLES = ("worker", "draft_worker", "target_worker", "attention_node", "expert_node",
+                  "gateway")   # they take --shutdown-grace-s
+HELPER_ROLES = ("draft_worker",)   # not essential: its target decodes plainly while it is down
 
 
 def up(topology: Topology, config: SupervisorConfig = SupervisorConfig()) -> int:
@@ -42,7 +44,7 @@ def up(topology: Topology, config: SupervisorConfig = SupervisorConfig()) -> int
                 continue
             print(f"tessera up: {p.name} on port {p.port}: tessera {' '.join(p.argv)}", flush=True)
             argv = [*p.argv, *grace] if p.role in DRAINING_ROLES else list(p.argv)
-            children.append(Child(p.name, p.role, tessera_argv(argv)))
+            children.append(Child(p.name, p.role, tessera_argv(argv), essential=p.role not in HELPER_ROLES))
         return Supervisor(children, config, "tessera up").run()
 
 
