@@ -14,6 +14,7 @@ ablation projected from the paper's numbers.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import pathlib
@@ -21,9 +22,10 @@ import statistics
 import sys
 import threading
 from dataclasses import dataclass
+from typing import Any
 
-from tessera.spec.profile import (Run, measure_draft, measure_target, placed, profile_ms, timed_generate,
-                                  two_cores, warm_thread_pool)
+from tessera.spec.profile import (Run, lookup_round_s, measure_draft, measure_target, placed, profile_ms,
+                                  timed_generate, two_cores, warm_thread_pool)
 from tessera.spec.simulator import (Rounds, Shape, SpecProfile, depth_candidates, latency_bound_size,
                                     paper_projection, tok_s)
 
@@ -52,9 +54,9 @@ def add_args(p) -> None:
 @dataclass
 class Bench:
     """What every run shares: the target's weights, tokenizer, placement and settings."""
-    a: object
-    model: object
-    tokenizer: object
+    a: argparse.Namespace
+    model: Any                      # the target CausalLM (a self:K draft shares its weights)
+    tokenizer: Any
     shape: Shape
     cores: tuple[int, int]
     max_len: int
@@ -87,7 +89,7 @@ def load_prompt(kind: str, tokenizer) -> list[int]:
 
 
 def repeated(engine, prompt: list[int], n: int, max_tokens: int,
-             hits=lambda: (0, 0)) -> tuple[Run, float | None, bool]:
+             hits=lambda: None) -> tuple[Run, float | None, bool]:
     """(the median-speed run, its hit rate, whether every run emitted the same tokens).
     hits() -> (rounds, hits) counters of the proposer, or None when it does not report them."""
     timed_generate(engine, prompt[:8], 2)                            # warm-up
@@ -111,6 +113,9 @@ def proposer_hits(proposer):
 
 def metrics_hits(url: str):
     """() -> (rounds, hits) from a draft worker's /metrics, or None when it does not say."""
+    import logging
+    logging.getLogger("httpx").setLevel(logging.WARNING)      # one scrape per run, not worth a log line
+
     def read():
         import httpx
         try:
@@ -174,7 +179,8 @@ def disaggregated_engine(b: Bench, drafter: str, location: str):
     """Yields (engine, where the draft runs, t_comm, hits) with this thread on core 0, one thread."""
     import os
 
-    from tessera.spec.proposer import AsyncProposer, draft_model
+    from tessera.spec.draft_models import draft_model
+    from tessera.spec.proposer import AsyncProposer
     with placed({b.cores[0]}, 1):
         if location == "process":
             with draft_worker(b, drafter) as (address, t_comm, hits):
@@ -183,6 +189,7 @@ def disaggregated_engine(b: Bench, drafter: str, location: str):
         model, layers = draft_model(drafter, b.model, b.model.embed_tokens.weight.dtype)
         proposer = AsyncProposer(model, layers, b.spec(drafter), b.max_len)
         expander = next(t for t in threading.enumerate() if t.name == "draft-expand" and t.is_alive())
+        assert expander.native_id is not None
         os.sched_setaffinity(expander.native_id, {b.cores[1]})   # it was started on core 0, like us
         try:
             yield b.engine(drafter, proposer=proposer), "thread", 0.0, proposer_hits(proposer)
@@ -202,17 +209,29 @@ def draft_location(a) -> str:
     return "thread"
 
 
-def profiles(b: Bench, drafter: str, prompt: list[int], targets: dict, t_comm: float) -> dict[str, SpecProfile]:
+MODEL_FREE = ("ngram",)     # drafters that run no model: nothing to expand, nothing to overlap
+
+
+def shape_for(b: Bench, drafter: str) -> Shape:
+    """The shape the simulator sees: a model-free drafter makes no expansions (d = 0)."""
+    return Shape(b.shape.bs, b.shape.w, 0) if drafter in MODEL_FREE else b.shape
+
+
+def profiles(b: Bench, drafter: str, prompt: list[int], targets: dict) -> dict[str, SpecProfile]:
     """Per mode: serial on both cores (2 threads); disaggregated with the target on core 0 and the
-    draft on core 1 (1 thread each), measured one at a time; plain uses serial's t_target(1)."""
-    from tessera.spec.proposer import draft_model
-    model, layers = draft_model(drafter, b.model, b.model.embed_tokens.weight.dtype)
+    draft on core 1 (1 thread each), measured one at a time; plain uses serial's t_target(1).
+    A model-free drafter's round is its lookup (t_round), serial only."""
     steps = b.a.profile_steps
+    if drafter in MODEL_FREE:
+        with placed(*b.both):
+            return {"serial": SpecProfile({1: 0.0}, targets["both"], t_round=lookup_round_s(prompt, b.shape.bs, steps))}
+    from tessera.spec.draft_models import draft_model
+    model, layers = draft_model(drafter, b.model, b.model.embed_tokens.weight.dtype)
     out = {}
-    for mode, place, t_target, comm in (("serial", b.both, targets["both"], 0.0),
-                                        ("disaggregated", ({b.cores[1]}, 1), targets["core0"], t_comm)):
+    for mode, place, t_target in (("serial", b.both, targets["both"]),
+                                  ("disaggregated", ({b.cores[1]}, 1), targets["core0"])):
         t_draft, t_round, t_flush = measure_draft(model, layers, prompt, b.shape, steps, place)
-        out[mode] = SpecProfile(t_draft, t_target, t_flush, t_round, comm)
+        out[mode] = SpecProfile(t_draft, t_target, t_flush, t_round)
     return out
 
 
@@ -241,22 +260,48 @@ def plain_rows(b: Bench, prompts: dict[str, list[int]], profile: SpecProfile) ->
     return rows, reference
 
 
-def speculative_rows(b: Bench, drafter: str, prompts: dict, reference: dict, profs: dict, location: str) -> list[dict]:
+def serial_rows(b: Bench, drafter: str, prompts: dict, reference: dict, profs: dict) -> list[dict]:
+    with placed(*b.both):
+        engine = b.engine(drafter)
+        return [_spec_row("serial", b, drafter, kind, engine, prompt, reference, profs,
+                          proposer_hits(engine.proposer), threads=2) for kind, prompt in prompts.items()]
+
+
+def disaggregated_rows(b: Bench, drafter: str, prompts: dict, reference: dict, profs: dict,
+                       location: str) -> list[dict]:
+    """profs["disaggregated"] gets the measured t_comm (the caller reports it)."""
+    if drafter in MODEL_FREE:
+        return [{"mode": "disaggregated", "drafter": drafter, "kind": None,
+                 "skipped": "a model-free drafter has no draft forward to overlap with verification"}]
+    with disaggregated_engine(b, drafter, location) as (engine, where, t_comm, hits):
+        profs["disaggregated"] = _with_comm(profs["disaggregated"], t_comm)
+        return [_spec_row("disaggregated", b, drafter, kind, engine, prompt, reference, profs, hits,
+                          threads=1, draft_location=where) for kind, prompt in prompts.items()]
+
+
+def drafter_rows(b: Bench, drafter: str, prompts: dict, reference: dict, targets: dict,
+                 location: str, report: dict) -> list[dict]:
+    """Serial and disaggregated rows of one drafter; one that fails becomes an error row."""
+    modes = [m for m in ("serial", "disaggregated") if m in b.a.modes.split(",")]
+    try:
+        profs = profiles(b, drafter, next(iter(prompts.values())), targets)
+    except Exception as e:          # a drafter this build cannot make (e.g. an unknown name): say so
+        return [_error_row(mode, drafter, e) for mode in modes]
     rows = []
-    modes = b.a.modes.split(",")
-    if "serial" in modes:
-        with placed(*b.both):
-            engine = b.engine(drafter)
-            for kind, prompt in prompts.items():
-                rows.append(_spec_row("serial", b, drafter, kind, engine, prompt, reference, profs,
-                                      proposer_hits(engine.proposer), threads=2))
-    if "disaggregated" in modes:
-        with disaggregated_engine(b, drafter, location) as (engine, where, t_comm, hits):
-            profs["disaggregated"] = _with_comm(profs["disaggregated"], t_comm)    # the caller reports it
-            for kind, prompt in prompts.items():
-                rows.append(_spec_row("disaggregated", b, drafter, kind, engine, prompt, reference, profs,
-                                      hits, threads=1, draft_location=where))
+    for mode in modes:
+        try:
+            rows += serial_rows(b, drafter, prompts, reference, profs) if mode == "serial" else \
+                disaggregated_rows(b, drafter, prompts, reference, profs, location)
+        except Exception as e:
+            rows.append(_error_row(mode, drafter, e))
+    report["profile"][drafter] = {mode: profile_ms(p) for mode, p in profs.items()}
+    report["recommended"][drafter] = recommendations(b, profs)
     return rows
+
+
+def _error_row(mode: str, drafter: str, e: Exception) -> dict:
+    print(f"bench spec: {mode} with drafter {drafter}: {type(e).__name__}: {e}", file=sys.stderr)
+    return {"mode": mode, "drafter": drafter, "error": f"{type(e).__name__}: {e}"}
 
 
 def _with_comm(p: SpecProfile, t_comm: float) -> SpecProfile:
@@ -267,7 +312,7 @@ def _spec_row(mode, b: Bench, drafter, kind, engine, prompt, reference, profs, h
     """hits() -> (rounds, hits) counters of the mode's proposer (None: unknown, taken as 0)."""
     run, hit_rate, same = repeated(engine, prompt, b.a.repeats, b.a.max_tokens, hits)
     rounds = Rounds.of(run.per_round, hit_rate if hit_rate is not None else 0.0)
-    predicted = tok_s(mode, profs[mode], b.shape, rounds)
+    predicted = tok_s(mode, profs[mode], shape_for(b, drafter), rounds)
     return row(mode, drafter, kind, run, reference.get(kind), same, predicted,
                hit_rate=None if hit_rate is None else round(hit_rate, 3),
                emitted_per_round={k: v for k, v in sorted(rounds.emitted.items())}, **extra)
@@ -275,7 +320,7 @@ def _spec_row(mode, b: Bench, drafter, kind, engine, prompt, reference, profs, h
 
 def async_vs_serial(rows: list[dict]) -> list[dict]:
     """Acceptance length of the asynchronous tree against the serial one (the paper: -9 % on average)."""
-    by = {(r["mode"], r["drafter"], r["kind"]): r for r in rows if "error" not in r}
+    by = {(r["mode"], r["drafter"], r["kind"]): r for r in rows if "acceptance_length" in r}
     out = []
     for (mode, drafter, kind), r in by.items():
         serial = by.get(("serial", drafter, kind))
@@ -288,8 +333,9 @@ def async_vs_serial(rows: list[dict]) -> list[dict]:
 
 def recommendations(b: Bench, profs: dict[str, SpecProfile]) -> dict:
     """The paper's d rule on the disaggregated profile, and the latency-bound bs and w per mode."""
-    r, r1 = depth_candidates(profs["disaggregated"], b.shape.bs, b.shape.w)
-    return {"disaggregated_d_try": [r, r1], "configured": vars(b.shape),
+    tries = {"disaggregated_d_try": list(depth_candidates(profs["disaggregated"], b.shape.bs, b.shape.w))} \
+        if "disaggregated" in profs else {}
+    return {**tries, "configured": vars(b.shape),
             **{f"{mode}_latency_bound": {"bs": latency_bound_size(p.t_target), "w": latency_bound_size(p.t_draft)}
                for mode, p in profs.items()}}
 
@@ -312,27 +358,18 @@ def main(a) -> int:
     if a.max_tokens < 2 or a.repeats < 1:
         raise SystemExit("bench spec: --max-tokens must be >= 2 and --repeats >= 1")
     b, prompts = setup(a)
-    location = draft_location(a) if "disaggregated" in a.modes.split(",") else "none"
+    modes = a.modes.split(",")
+    location = draft_location(a) if "disaggregated" in modes else "none"
     first = next(iter(prompts.values()))
-    targets = {"both": measure_target(lambda p: b.engine(proposer=p), first, b.shape.bs, a.profile_steps, b.both),
-               "core0": measure_target(lambda p: b.engine(proposer=p), first, b.shape.bs, a.profile_steps,
-                                       ({b.cores[0]}, 1))}
-    plain_profile = SpecProfile({1: 1.0}, targets["both"])
-    rows, reference = plain_rows(b, prompts, plain_profile) if "plain" in a.modes.split(",") else ([], {})
-    report = {"rows": rows, "profile": {}, "recommended": {}, "measured_on": {
+    targets = {name: measure_target(lambda p: b.engine(proposer=p), first, b.shape.bs, a.profile_steps, place)
+               for name, place in (("both", b.both), ("core0", ({b.cores[0]}, 1)))}
+    plain = SpecProfile(t_draft={}, t_target=targets["both"])
+    rows, reference = plain_rows(b, prompts, plain) if "plain" in modes else ([], {})
+    report: dict[str, Any] = {"rows": rows, "profile": {}, "recommended": {}, "measured_on": {
         "model": a.model, "dtype": a.dtype, "cores": list(b.cores), "max_tokens": a.max_tokens,
         "repeats": a.repeats, "draft_location": location, "shape": vars(b.shape)}}
     for drafter in a.drafter or ["self:8"]:
-        try:
-            profs = profiles(b, drafter, first, targets, 0.0)
-            rows += speculative_rows(b, drafter, prompts, reference, profs, location)
-        except Exception as e:      # a drafter this build cannot make (e.g. an unknown name): say so
-            print(f"bench spec: drafter {drafter}: {type(e).__name__}: {e}", file=sys.stderr)
-            rows += [{"mode": m, "drafter": drafter, "error": f"{type(e).__name__}: {e}"}
-                     for m in ("serial", "disaggregated") if m in a.modes.split(",")]
-            continue
-        report["profile"][drafter] = {mode: profile_ms(p) for mode, p in profs.items()}
-        report["recommended"][drafter] = recommendations(b, profs)
+        rows += drafter_rows(b, drafter, prompts, reference, targets, location, report)
     report["async_vs_serial_acceptance"] = async_vs_serial(rows)
     report["paper_projection_simulated"] = paper_projection()
     print(json.dumps(report, indent=1) if a.json else _text(report))
@@ -342,8 +379,8 @@ def main(a) -> int:
 def _text(report: dict) -> str:
     lines = ["mode           drafter  kind            tok/s  pred   err     acc.len  tpot ms  identical"]
     for r in report["rows"]:
-        if "error" in r:
-            lines.append(f"{r['mode']:<14} {r['drafter']:<8} ERROR {r['error']}")
+        if "acceptance_length" not in r:
+            lines.append(f"{r['mode']:<14} {r['drafter']:<8} {r.get('error') or 'skipped: ' + r['skipped']}")
             continue
         lines.append(f"{r['mode']:<14} {r['drafter'] or '-':<8} {r['kind']:<14} {r['output_tok_s']:>7} "
                      f"{r['predicted_tok_s']:>6} {r['prediction_error']:>+6.1%} {r['acceptance_length']:>8} "

@@ -173,6 +173,17 @@ def measure_draft(model, layers: range, prompt: list[int], shape: Shape, steps: 
     return t_draft, t_round, t_flush
 
 
+def lookup_round_s(prompt: list[int], bs: int, reps: int) -> float:
+    """A model-free drafter's round (prompt lookup, 'ngram'): median seconds of one proposal."""
+    from tessera.spec.ngram import NgramProposer
+    proposer, samples = NgramProposer(), []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        proposer.propose("profile", prompt, len(prompt), bs)
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
 def profile_ms(p: SpecProfile) -> dict:
     """A profile for JSON, in milliseconds."""
     ms = lambda t: round(1e3 * t, 3)  # noqa: E731
