@@ -142,6 +142,9 @@ def make_proposer(config: SpeculativeConfig, target: CausalLM | None, dtype: tor
     the draft model in this process (serial)."""
     if config.draft is None:
         return None
+    if config.draft == "ngram":
+        from tessera.spec.ngram import NgramProposer
+        return NgramProposer()
     if config.draft_address:
         from tessera.rpc.draft_client import DraftClient
         return DraftClient(config.draft_address)
