@@ -92,6 +92,7 @@ def _metric(url: str, name: str) -> float:
     return float(lines[0].split()[-1])
 
 
+@pytest.mark.e2e
 def test_speculative_serve_answers_exactly_like_plain_decoding(stacks):
     spec, spec_url, draft, plain_url = stacks
     fast, plain = _answers(spec_url), _answers(plain_url)
@@ -127,6 +128,7 @@ def _round(stub, request_id: str, round_: int, tokens, num_tokens: int, size: in
                                              num_tokens=num_tokens, size=size), timeout=10)
 
 
+@pytest.mark.e2e
 def test_malformed_rounds_are_refused_never_applied_and_the_draft_worker_keeps_serving(stacks):
     from tessera.rpc.v1 import draft_pb2
     _, spec_url, draft, _ = stacks
@@ -163,6 +165,7 @@ def test_malformed_rounds_are_refused_never_applied_and_the_draft_worker_keeps_s
     assert r.usage.completion_tokens_details.accepted_prediction_tokens > 0     # it still drafts
 
 
+@pytest.mark.e2e
 def test_a_draft_worker_sigkilled_mid_stream_costs_only_speed(stacks):
     spec, spec_url, draft, plain_url = stacks
     args = dict(model="llama", messages=[{"role": "user", "content": "Count."}], max_tokens=300, temperature=0,
@@ -192,6 +195,44 @@ def test_a_draft_worker_sigkilled_mid_stream_costs_only_speed(stacks):
                                                       messages=[{"role": "user", "content": "Again."}])
         return r.usage.completion_tokens_details is not None
     _wait(speculating, 30, "speculation never resumed after the draft worker restarted")
+
+
+@pytest.mark.e2e
+def test_up_runs_the_speculative_topology_with_the_cluster_secret(tiny_models, tmp_path):
+    """`tessera up` (which always sets a cluster secret): the target drafts through its draft
+    worker, both register under the same model, and the gateway routes only to the target."""
+    import yaml
+
+    from tessera.registry import RedisRegistry
+    spec = yaml.safe_load((ROOT / "deploy/topologies/speculative.yaml").read_text())
+    spec.update(model=tiny_models["llama"], dtype="float32")
+    spec["roles"]["draft_worker"].update(port=free_port(), speculative="self:2")
+    spec["roles"]["target_worker"]["port"] = free_port()
+    path, port = tmp_path / "speculative.yaml", free_port()
+    path.write_text(yaml.safe_dump(spec))
+    up = Logged("up", str(path), "--port", str(port), "--shutdown-grace-s", "2",
+                env={k: v for k, v in os.environ.items() if k != "REDIS_URL"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        up.wait_for("tessera draft worker ready", 120)
+        _wait(lambda: _healthy(url), 120, "the gateway never became healthy")
+        r = _openai(url).chat.completions.create(model="llama", messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=16, temperature=0)
+        assert r.usage.completion_tokens_details.accepted_prediction_tokens > 0
+
+        async def registered():
+            registry = RedisRegistry(up.wait_for(r"tessera up: registry (\S+)")[1], prefix="tessera:speculative")
+            try:
+                return sorted((rec.role, rec.model) for rec in await registry.list())
+            finally:
+                await registry.close()
+        assert asyncio.run(registered()) == [("draft", "llama"), ("worker", "llama")]
+        assert _metric(url, "tessera_gateway_workers") == 1
+        with pytest.raises(grpc.RpcError) as e:        # a round without the secret drafts nothing
+            _round(_stub(f"127.0.0.1:{spec['roles']['draft_worker']['port']}"), "r", 1, [1], 1)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        assert up.close(60) == 0
 
 
 class _Scripted:
@@ -268,6 +309,44 @@ def test_a_hung_draft_worker_costs_one_timeout_not_one_per_step(scripted):
     assert client.propose("r", [1, 2, 3], 3, 4) == Draft((7, 8), (0, 1))    # speculation resumes
 
 
+def test_the_draft_client_and_its_in_process_twins_satisfy_one_protocol(tmp_path, request):
+    """mypy: DraftClient (gRPC), SerialProposer and AsyncProposer (in process) are Proposers,
+    and one whose propose forgets num_new is not."""
+    import subprocess
+    import sys
+    import textwrap
+    pytest.importorskip("mypy")
+    (tmp_path / "uses.py").write_text(textwrap.dedent("""
+        from typing import Sequence
+        from tessera.rpc.draft_client import DraftClient
+        from tessera.spec.proposer import AsyncProposer, Proposer, SerialProposer
+        from tessera.spec.tree import Draft
+
+        def all_proposers(remote: DraftClient, serial: SerialProposer, threaded: AsyncProposer) -> list[Proposer]:
+            return [remote, serial, threaded]
+
+        class Old(DraftClient):
+            def propose(self, request_id: str, token_ids: Sequence[int], size: int) -> Draft | None:  # type: ignore[override]
+                raise NotImplementedError
+
+        def old(p: Old) -> Proposer:
+            return p
+    """))
+    (tmp_path / "mypy.ini").write_text(textwrap.dedent(f"""
+        [mypy]
+        mypy_path = {ROOT / "services"}
+        follow_imports = skip
+        ignore_missing_imports = True
+        [mypy-tessera.*]
+        follow_imports = silent
+    """))
+    out = subprocess.run([sys.executable, "-m", "mypy", "--config-file", "mypy.ini", "--cache-dir",
+                          str(request.config.cache.mkdir("mypy")), "uses.py"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    errors = [line for line in out.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == 1 and 'got "Old", expected "Proposer"' in errors[0], out.stdout
+
+
 def test_the_gateway_never_routes_to_a_draft_worker():
     from tessera.registry import MemoryRegistry, WorkerRecord
     from tessera.worker_pool import WorkerPool
@@ -283,6 +362,22 @@ def test_the_gateway_never_routes_to_a_draft_worker():
         watch.cancel()
         return sorted(pool.members)
     assert asyncio.run(run()) == ["127.0.0.1:2", "127.0.0.1:3"]
+
+
+def test_prediction_tokens_add_up_across_a_failover():
+    """A resumed attempt's worker counts accepted / rejected draft tokens from 0: the pool adds
+    what the earlier attempt reported, so usage covers the whole generation."""
+    from tessera.config import SamplingParams
+    from tessera.worker_api import GenerateChunk, GenerateInput
+    from tessera.worker_pool import _Progress
+    progress, request = _Progress(), GenerateInput("r", SamplingParams(), token_ids=(1, 2))
+    progress.attempt(request, 1)
+    progress.seen(GenerateChunk("a", (5,), prompt_token_ids=(1, 2), accepted_tokens=1, rejected_tokens=3))
+    progress.seen(GenerateChunk("b", (6, 7), accepted_tokens=3, rejected_tokens=4))
+    progress.attempt(request, 2)
+    last = progress.seen(GenerateChunk("c", (8, 9), prompt_token_ids=(1, 2, 5, 6, 7), accepted_tokens=1,
+                                       rejected_tokens=0))
+    assert (last.accepted_tokens, last.rejected_tokens) == (4, 4)
 
 
 def test_speculative_topology_pairs_each_target_with_its_draft(tmp_path):

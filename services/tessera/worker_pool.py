@@ -168,8 +168,9 @@ class _Progress:
             chunk = dataclasses.replace(chunk, prompt_token_ids=())
         self.generated.extend(chunk.token_ids)
         self.text_sent += len(chunk.text)
-        accepted, rejected = self.spec_before
-        chunk = dataclasses.replace(chunk, accepted_tokens=accepted + chunk.accepted_tokens,
-                                    rejected_tokens=rejected + chunk.rejected_tokens)
+        if self.spec_before != (0, 0):     # a resumed attempt: its worker counted from 0
+            accepted, rejected = self.spec_before
+            chunk = dataclasses.replace(chunk, accepted_tokens=accepted + chunk.accepted_tokens,
+                                        rejected_tokens=rejected + chunk.rejected_tokens)
         self.spec = (chunk.accepted_tokens, chunk.rejected_tokens)
         return chunk

@@ -50,9 +50,11 @@ def draft_worker_args(engine: EngineConfig, draft_port: int, grace_s: float) -> 
 def main(engine: EngineConfig, gateway: GatewayConfig, admission: AdmissionConfig, worker_port: int,
          supervisor: SupervisorConfig = SupervisorConfig(), draft_port: int = 50081) -> int:
     grace = supervisor.shutdown_grace_s
-    # A draft worker of our own unless --draft-address names one; the target decodes plainly
-    # while it is down, so it is not essential.
-    own_draft = engine.speculative.draft is not None and not engine.speculative.draft_address
+    # A draft worker of our own unless --draft-address names one (or the drafter is prompt
+    # lookup, which needs no model and stays in the target); the target decodes plainly while
+    # it is down, so it is not essential.
+    spec = engine.speculative
+    own_draft = spec.draft not in (None, "ngram") and not spec.draft_address
     worker_args, gateway_args = process_args(engine, gateway, admission, worker_port, grace,
                                              draft_port if own_draft else None)
     children = [Child("draft-worker-0", "draft_worker", tessera_argv(draft_worker_args(engine, draft_port, grace)),
