@@ -18,7 +18,7 @@ class DraftRound:
 
 @dataclass(frozen=True)
 class DraftInfo:
-    model_id: str
+    model_id: str                   # the target model it drafts for
     layers: int                     # layers the draft runs (K of a self:K draft)
     vocab_size: int
     max_len: int                    # longest sequence a round may carry
