@@ -186,7 +186,7 @@ def test_a_draft_worker_sigkilled_mid_stream_costs_only_speed(stacks):
             killed = True
     assert text == expected and finish == "length"
     assert after_kill > 10 and time.monotonic() - t0 < 60       # the stream went on, without a hang
-    spec.wait_for(r"no draft this round \(draft worker", 10)     # the target noticed, and decoded plainly
+    spec.wait_for(r"no draft this round, decoding plainly \(draft worker", 10)     # the target noticed, and decoded plainly
     spec.wait_for(r"draft-worker-0 \(pid \d+\) exited with signal SIGKILL", 10)
     spec.wait_for(rf"tessera draft worker ready on {draft}", 120, count=2)
 

@@ -10,6 +10,7 @@ import functools
 import hashlib
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -24,6 +25,7 @@ from tessera.sampler import SampleResult, SamplingBatch, sample
 from tessera.scheduler import ScheduledRequest, Scheduler
 from tessera.spec.acceptance import accept
 from tessera.spec.proposer import Proposer, make_proposer
+from tessera.spec.stats import SpecStats
 from tessera.spec.tree import Draft
 
 log = logging.getLogger("tessera.engine")
@@ -49,26 +51,6 @@ class RequestOutput:
     error: str | None = None          # set when this request failed inside the engine
     accepted_tokens: int = 0          # speculative decoding: draft tokens accepted so far
     rejected_tokens: int = 0          # and verified but rejected so far
-
-
-@dataclass
-class SpecStats:
-    """Tree verification counters since start (exported as metrics): acceptance length is
-    emitted / verify_rounds."""
-    verify_rounds: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    emitted_tokens: int = 0
-
-    def count(self, drafted: int, accepted: int, emitted: int) -> None:
-        self.verify_rounds += 1
-        self.draft_tokens += drafted
-        self.accepted_tokens += accepted
-        self.emitted_tokens += emitted
-
-    @property
-    def acceptance_length(self) -> float:
-        return self.emitted_tokens / self.verify_rounds if self.verify_rounds else 0.0
 
 
 class EngineError(RuntimeError):
@@ -126,6 +108,7 @@ class Engine:
         self._ids = itertools.count()
         self.proposer = proposer or make_proposer(config.speculative, model, self.dtype, self.max_model_len)
         self.spec_stats = SpecStats()
+        self._draft_warned = float("-inf")
 
     @functools.cached_property
     def compat_hash(self) -> str:
@@ -282,7 +265,9 @@ class Engine:
                                                       spec.tree_size) or None
                 request.spec_synced = request.num_tokens
             except Exception as e:   # the draft worker is gone or broken: decode plainly
-                log.warning("request %s: no draft this round (%s)", request.request_id, e)
+                if time.monotonic() - self._draft_warned > 10.0:   # one line per 10 s, not per step
+                    self._draft_warned = time.monotonic()
+                    log.warning("request %s: no draft this round, decoding plainly (%s)", request.request_id, e)
                 self._forget_draft(out.request_id, request)
 
     def _forget_draft(self, request_id: str, request: Request | None = None) -> None:

@@ -16,7 +16,8 @@ import grpc
 from tessera.draft_api import DraftInfo, DraftRound, RoundRefused
 from tessera.rpc import convert
 from tessera.rpc.v1 import draft_pb2, draft_pb2_grpc
-from tessera.spec.proposer import DraftStats, Proposer
+from tessera.spec.proposer import Proposer
+from tessera.spec.stats import DraftStats
 from tessera.spec.tree import Draft
 
 log = logging.getLogger("tessera.draft_worker")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-from tessera.spec.proposer import DraftStats
+from tessera.spec.stats import DraftStats
 from tessera.spec.tree import Draft
 
 

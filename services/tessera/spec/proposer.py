@@ -10,7 +10,6 @@ rpc/draft_client.py speaks to one over gRPC and satisfies the same protocol).
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import torch
@@ -19,17 +18,8 @@ from tessera.config import SpeculativeConfig
 from tessera.models.llama import CausalLM
 from tessera.spec.draft_models import draft_model
 from tessera.spec.drafter import TreeDrafter
+from tessera.spec.stats import DraftStats
 from tessera.spec.tree import Draft
-
-
-@dataclass
-class DraftStats:
-    """What /metrics reports about drafting (counters since start)."""
-    rounds: int = 0
-    hits: int = 0
-    expansions: int = 0
-    wasted_nodes: int = 0
-    draft_seconds: float = 0.0
 
 
 class Proposer(Protocol):
@@ -112,6 +102,11 @@ class AsyncProposer(SerialProposer):
             self._budget.pop(request_id, None)
             super().finish(request_id)
 
+    @property
+    def alive(self) -> bool:
+        """False once the expansion thread has died (the draft worker's health reports it)."""
+        return self._thread.is_alive()
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -147,6 +142,6 @@ def make_proposer(config: SpeculativeConfig, target: CausalLM | None, dtype: tor
         return NgramProposer()
     if config.draft_address:
         from tessera.rpc.draft_client import DraftClient
-        return DraftClient(config.draft_address)
+        return DraftClient(config.draft_address, vocab_size=target.config.vocab_size if target else None)
     model, layers = draft_model(config.draft, target, dtype)
     return SerialProposer(model, layers, config, max_len)
