@@ -127,6 +127,8 @@ class SpeculativeConfig:
         "flag": "--spec-tree-size", "help": "bs: tree nodes verified per round, root included"})
     width: int = field(default=4, metadata={
         "flag": "--spec-width", "help": "w: leaves the draft expands per forward"})
+    branching: int = field(default=4, metadata={
+        "flag": "--spec-branching", "help": "children the draft keeps under each expanded node"})
     depth: int = field(default=3, metadata={
         "flag": "--spec-depth", "help": "d: draft expansions per round (profile: t_target / t_draft)"})
     disable_batch_size: int = field(default=4, metadata={
@@ -134,8 +136,8 @@ class SpeculativeConfig:
         "help": "above this many running requests, decode plainly (speculation pays at small batch)"})
 
     def __post_init__(self) -> None:
-        if self.tree_size < 1 or self.width < 1 or self.depth < 0 or self.disable_batch_size < 1:
-            raise ConfigError("spec tree size and width must be >= 1, depth >= 0, disable batch size >= 1")
+        if min(self.tree_size, self.width, self.branching, self.disable_batch_size) < 1 or self.depth < 0:
+            raise ConfigError("spec tree size, width, branching and disable batch size must be >= 1, depth >= 0")
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,10 @@ class TreeDrafter:
     """Draft state of one request. `layers` picks the layers to run (a self-draft runs the
     target's first K); the final norm and head are the model's own."""
 
-    def __init__(self, model: CausalLM, layers: range, max_len: int, width: int) -> None:
+    def __init__(self, model: CausalLM, layers: range, max_len: int, width: int, branching: int = 4) -> None:
         cfg = model.config
         dtype = model.embed_tokens.weight.dtype
-        self.model, self.layers, self.width = model, layers, width
+        self.model, self.layers, self.width, self.branching = model, layers, width, branching
         self.capacity = max_len
         shape = (cfg.num_kv_heads, max_len, cfg.head_dim)
         self.kv = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) if l in layers else None
@@ -50,7 +50,7 @@ class TreeDrafter:
     @torch.inference_mode()
     def expand(self) -> int:
         """One draft forward over the `width` most probable unexpanded nodes; their top
-        `width` children join the tree. Verified tokens still pending (after a miss) ride in
+        `branching` children join the tree. Verified tokens still pending (after a miss) ride in
         the same forward ahead of them. Returns how many nodes were expanded (0: cache full)."""
         pending, p = self.pending, self.prefix
         leaves = self.tree.frontier(self.width)[:max(self.capacity - self.used, 0)]
@@ -73,7 +73,7 @@ class TreeDrafter:
         tokens = pending + [self.tree.tokens[n] for n in leaves]
         logits = self._forward(tokens, start, positions, mask)[q:]
         self.prefix, self.pending = p + q, []
-        top = torch.log_softmax(logits, dim=-1).topk(self.width, dim=-1)
+        top = torch.log_softmax(logits, dim=-1).topk(self.branching, dim=-1)
         for i, n in enumerate(leaves):
             self.tree.expanded[n] = True
             for lp, t in zip(top.values[i].tolist(), top.indices[i].tolist()):

@@ -38,14 +38,15 @@ class SerialProposer:
 
     def __init__(self, model: CausalLM, layers: range, config: SpeculativeConfig, max_len: int) -> None:
         self.model, self.layers, self.config = model, layers, config
-        self.max_len = max_len + config.tree_size * config.width * (config.depth + 1)
+        self.max_len = max_len + 4 * config.width * (config.depth + 2)   # expanded nodes hold slots
         self.drafters: dict[str, TreeDrafter] = {}
         self.stats = DraftStats()
 
     def _sync(self, request_id: str, token_ids: Sequence[int], num_new: int) -> TreeDrafter:
         d = self.drafters.get(request_id)
         if d is None or num_new >= len(token_ids):
-            d = self.drafters[request_id] = TreeDrafter(self.model, self.layers, self.max_len, self.config.width)
+            d = self.drafters[request_id] = TreeDrafter(self.model, self.layers, self.max_len, self.config.width,
+                                                                self.config.branching)
             d.start(list(token_ids))
         else:
             self.stats.hits += d.reroot(list(token_ids[-num_new:]))
@@ -91,7 +92,7 @@ class AsyncProposer(SerialProposer):
             with self._count_lock:
                 self._rounds_waiting -= 1
             d = self._sync(request_id, token_ids, num_new)
-            while len(d.tree) < size and d.expand():
+            while len(d.tree) < size and d.expand():   # the paper tops a short tree up at once
                 self.stats.expansions += 1
             self._budget[request_id] = self.config.depth
             self._lock.notify()
