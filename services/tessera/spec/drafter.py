@@ -25,13 +25,10 @@ class TreeDrafter:
     target's first K); the final norm and head are the model's own."""
 
     def __init__(self, model: CausalLM, layers: range, max_len: int, width: int, branching: int = 4) -> None:
-        cfg = model.config
-        dtype = model.embed_tokens.weight.dtype
         self.model, self.layers, self.width, self.branching = model, layers, width, branching
-        self.capacity = max_len
-        shape = (cfg.num_kv_heads, max_len, cfg.head_dim)
-        self.kv = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) if l in layers else None
-                   for l in range(cfg.num_layers)]
+        self.capacity = max_len           # slots it may grow to; allocated as needed (_reserve)
+        self.kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * model.config.num_layers
+        self._reserve(256)
         self.prefix = 0                 # P: verified tokens whose KV is in slots [0, P)
         self.pending: list[int] = []    # verified tokens still to forward (after a miss)
         self.tree = TokenTree.rooted_at(0)
@@ -53,11 +50,14 @@ class TreeDrafter:
         `branching` children join the tree. Verified tokens still pending (after a miss) ride in
         the same forward ahead of them. Returns how many nodes were expanded (0: cache full)."""
         pending, p = self.pending, self.prefix
-        leaves = self.tree.frontier(self.width)[:max(self.capacity - self.used, 0)]
+        last = self.model.config.max_position_embeddings - 1 - p - len(pending)   # RoPE's table ends
+        leaves = [n for n in self.tree.frontier(self.width) if self.tree.depths[n] <= last]
+        leaves = leaves[:max(self.capacity - self.used, 0)]
         if not leaves:
             return 0
         start = p + len(self.slot)            # pending is non-empty only when no node has a slot
         base = start + len(pending)
+        self._reserve(base + len(leaves))
         for i, n in enumerate(leaves):
             self.slot[n] = base + i
         q = len(pending)
@@ -107,6 +107,22 @@ class TreeDrafter:
         self.slot = {new: self.prefix + i for i, (new, _) in enumerate(survivors)}
         self.tree = tree
         return hit
+
+    def _reserve(self, slots: int) -> None:
+        """Grow every layer's cache to hold `slots` (doubling, up to capacity): a long context's
+        draft KV is paid for only by requests that reach it."""
+        have = 0 if self.kv[self.layers[0]] is None else self.kv[self.layers[0]][0].shape[1]
+        if slots <= have:
+            return
+        cfg = self.model.config
+        size = min(max(slots, 2 * have), self.capacity)
+        dtype = self.model.embed_tokens.weight.dtype
+        for l in self.layers:
+            new = tuple(torch.zeros(cfg.num_kv_heads, size, cfg.head_dim, dtype=dtype) for _ in range(2))
+            if self.kv[l] is not None:
+                for old, grown in zip(self.kv[l], new):
+                    grown[:, :have] = old
+            self.kv[l] = new
 
     def _gather(self, dst: int, src: list[int]) -> None:
         """Move the KV of slots `src` to dst, dst + 1, ... in every layer (one gather each)."""

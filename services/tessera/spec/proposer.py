@@ -9,6 +9,7 @@ rpc/draft_client.py speaks to one over gRPC and satisfies the same protocol).
 """
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Protocol, Sequence
 
@@ -20,6 +21,8 @@ from tessera.spec.draft_models import draft_model
 from tessera.spec.drafter import TreeDrafter
 from tessera.spec.stats import DraftStats
 from tessera.spec.tree import Draft
+
+log = logging.getLogger("tessera.spec")
 
 
 class Proposer(Protocol):
@@ -124,7 +127,11 @@ class AsyncProposer(SerialProposer):
                     return
                 rid = max(self._budget, key=self._budget.__getitem__)
                 t0 = time.perf_counter()
-                grew = self.drafters[rid].expand()
+                try:
+                    grew = self.drafters[rid].expand()
+                except Exception:    # one request's draft fails alone; the thread serves the rest
+                    log.exception("request %s: draft expansion failed", rid)
+                    grew = 0
                 self.stats.draft_seconds += time.perf_counter() - t0
                 self.stats.expansions += bool(grew)
                 self._budget[rid] = self._budget[rid] - 1 if grew else 0
