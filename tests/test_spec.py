@@ -277,9 +277,12 @@ def test_busy_batches_fall_back_to_plain_decoding_with_the_same_outputs(llama):
     rids = [spec.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
             for p, n in zip(prompts, lengths)]
     got = {r: [] for r in rids}
+    accepted = dict.fromkeys(rids, 0)
     tree_steps_while_busy = 0
     for out in iter_outputs(spec):
         got[out.request_id] += out.new_token_ids
+        assert out.accepted_tokens >= accepted[out.request_id]    # plain steps keep the running count
+        accepted[out.request_id] = out.accepted_tokens
         busy = len(spec.scheduler.running) > 1
         tree_steps_while_busy += busy and len(out.new_token_ids) > 1
     assert [got[r] for r in rids] == want

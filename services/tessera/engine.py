@@ -256,19 +256,21 @@ class Engine:
                 self._forget_draft(out.request_id)
                 continue
             fits = request.num_tokens + spec.tree_size <= self.max_model_len
-            if not on or not fits:
-                self._forget_draft(out.request_id, request)
+            if not on or not fits:      # plain this round; the proposer keeps its state for later
+                request.draft = None
                 continue
             new = request.num_tokens - request.spec_synced if request.spec_synced else request.num_tokens
             try:
-                request.draft = self.proposer.propose(request.request_id, request.all_token_ids, new,
-                                                      spec.tree_size) or None
+                draft = self.proposer.propose(request.request_id, request.all_token_ids, new, spec.tree_size)
                 request.spec_synced = request.num_tokens
             except Exception as e:   # the draft worker is gone or broken: decode plainly
                 if time.monotonic() - self._draft_warned > 10.0:   # one line per 10 s, not per step
                     self._draft_warned = time.monotonic()
                     log.warning("request %s: no draft this round, decoding plainly (%s)", request.request_id, e)
                 self._forget_draft(out.request_id, request)
+                continue
+            vocab = self.model_config.vocab_size
+            request.draft = draft if draft and max(draft.tokens) < vocab and len(draft) < spec.tree_size else None
 
     def _forget_draft(self, request_id: str, request: Request | None = None) -> None:
         if request is not None:
@@ -288,7 +290,8 @@ class Engine:
             log.exception("request %s: sampling failed", request.request_id)
             self.abort(request.request_id)
             return RequestOutput(request.request_id, [], "", [], True, "abort", request.num_prompt_tokens,
-                                 request.num_output_tokens, error=f"sampling failed: {type(e).__name__}: {e}")
+                                 request.num_output_tokens, error=f"sampling failed: {type(e).__name__}: {e}",
+                                 accepted_tokens=request.accepted_tokens, rejected_tokens=request.rejected_tokens)
         return self._postprocess(request, 0, result)
 
     def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
@@ -320,7 +323,8 @@ class Engine:
             request_id=request.request_id, new_token_ids=[token],
             new_text=detok.delta(finished=status is not None), logprobs=logprobs,
             finished=status is not None, finish_reason=status.value if status else None,
-            prompt_tokens=request.num_prompt_tokens, completion_tokens=request.num_output_tokens)
+            prompt_tokens=request.num_prompt_tokens, completion_tokens=request.num_output_tokens,
+            accepted_tokens=request.accepted_tokens, rejected_tokens=request.rejected_tokens)
 
     def _forget(self, request_id: str) -> None:
         self._detok.pop(request_id, None)

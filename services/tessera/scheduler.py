@@ -100,8 +100,8 @@ class Scheduler:
 
     def _with_draft(self, request: Request, budget: int) -> int:
         """Tokens to compute for a running request: its draft tree rides along with a decode
-        token when the budget and free blocks allow it without preempting anybody (else it is
-        dropped: the round decodes plainly)."""
+        token when the budget and free blocks allow it without preempting anybody, keeping a
+        block free for every running request (else it is dropped: the round decodes plainly)."""
         n = min(request.num_tokens - request.num_computed_tokens, budget)
         draft = request.draft
         if draft is None:
@@ -109,7 +109,7 @@ class Scheduler:
         total = request.num_computed_tokens + 1 + len(draft)
         table = self.kv.block_tables.get(request.request_id, [])
         if (n == 1 and request.num_computed_tokens > 0 and 1 + len(draft) <= budget
-                and self.kv.blocks_for(total) - len(table) <= self.kv.num_free_blocks):
+                and self.kv.blocks_for(total) - len(table) <= self.kv.num_free_blocks - len(self.running)):
             return 1 + len(draft)
         request.draft = None
         return n

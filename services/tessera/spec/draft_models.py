@@ -35,6 +35,9 @@ def draft_model(spec: str, target: CausalLM | None, dtype: torch.dtype) -> tuple
     else:
         from tessera.models.loader import load_model
         model, _ = load_model(name, dtype)
+        if target is not None and model.config.vocab_size != target.config.vocab_size:
+            raise ConfigError(f"the draft's vocabulary ({model.config.vocab_size}) is not the target's "
+                              f"({target.config.vocab_size}): a draft must share the tokenizer", "speculative")
     k = len(model.layers)
     if name.startswith("self:"):
         try:

@@ -71,7 +71,7 @@ class TreeDrafter:
                 a = self.tree.parents[a]
         positions = list(range(p, p + q)) + [p + q + self.tree.depths[n] for n in leaves]
         tokens = pending + [self.tree.tokens[n] for n in leaves]
-        logits = self._forward(tokens, start, positions, mask)[q:]
+        logits = self._forward(tokens, start, positions, mask, skip=q)
         self.prefix, self.pending = p + q, []
         top = torch.log_softmax(logits, dim=-1).topk(self.branching, dim=-1)
         for i, n in enumerate(leaves):
@@ -134,8 +134,10 @@ class TreeDrafter:
                 for cache in kv:
                     cache[:, dst:dst + len(src)] = cache[:, idx]
 
-    def _forward(self, tokens: list[int], start: int, positions: list[int], mask: torch.Tensor) -> torch.Tensor:
-        """Run `tokens` into slots start.. with explicit positions and mask over slots [0, start + n)."""
+    def _forward(self, tokens: list[int], start: int, positions: list[int], mask: torch.Tensor,
+                 skip: int = 0) -> torch.Tensor:
+        """Run `tokens` into slots start.. with explicit positions and mask over slots [0, start + n);
+        logits of all but the first `skip` (a long prompt's rows never reach the head)."""
         n = len(tokens)
         slots = torch.arange(start, start + n)
         empty = torch.zeros(0, dtype=torch.long)
@@ -146,4 +148,4 @@ class TreeDrafter:
             prefills=[PrefillChunk(0, n, start, torch.arange(start + n), mask)],
             logits_idx=torch.arange(n), block_size=1)
         x = run_layers(self.model, self.model.embed_tokens(batch.input_ids), batch, self.kv, self.layers)
-        return self.model.compute_logits(self.model.norm(x))
+        return self.model.compute_logits(self.model.norm(x[skip:]))

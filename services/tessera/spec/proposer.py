@@ -129,9 +129,11 @@ class AsyncProposer(SerialProposer):
                 t0 = time.perf_counter()
                 try:
                     grew = self.drafters[rid].expand()
-                except Exception:    # one request's draft fails alone; the thread serves the rest
+                except Exception:    # one request's draft fails alone (its next round restarts it)
                     log.exception("request %s: draft expansion failed", rid)
-                    grew = 0
+                    self.drafters.pop(rid, None)
+                    self._budget.pop(rid, None)
+                    continue
                 self.stats.draft_seconds += time.perf_counter() - t0
                 self.stats.expansions += bool(grew)
                 self._budget[rid] = self._budget[rid] - 1 if grew else 0
