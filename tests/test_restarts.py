@@ -58,6 +58,13 @@ def _wait(predicate, timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
+def _gateway_workers(url: str) -> float:
+    """The gateway's own count of workers it routes to (it polls the registry every second)."""
+    lines = [line for line in httpx.get(url + "/metrics").text.splitlines()
+             if line.startswith("tessera_gateway_workers{") or line.startswith("tessera_gateway_workers ")]
+    return sum(float(line.split()[-1]) for line in lines)
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     """`tessera up deploy/topologies/single.yaml` on free ports, with its own Redis."""
@@ -100,7 +107,8 @@ def test_up_restarts_a_sigkilled_worker_while_its_streams_fail_over(single):
     up, url, worker_port = single
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
     _wait(lambda: len(_registered(up)) == 2, 30, "both workers never registered")
-    victim = up.pid("worker-0")
+    _wait(lambda: _gateway_workers(url) == 2, 30, "the gateway never routed to both workers")  # else all
+    victim = up.pid("worker-0")                                                    # streams may avoid it
 
     async def run():
         client = _openai(url)
