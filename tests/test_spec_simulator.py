@@ -54,6 +54,17 @@ def test_disaggregated_round_by_hand():
     assert disaggregated_round_s(SYNTHETIC, Shape(8, 4, 5), hit_rate=0.5) == pytest.approx(18.5 * MS)
 
 
+def test_measured_top_ups_are_waited_for_in_both_modes():
+    """A round whose tree is short after re-rooting waits for top-up expansions even on a hit:
+    disaggregated max(13, 9) + 0.5 + miss 0.1 * flush 1 + 1.5 * t_draft(4) 3 = 18.1 ms; serial
+    0.5 + 0.1 + (3 + 1.5) * 3 + 12 = 26.1 ms."""
+    s = Shape(8, 4, 3)
+    assert disaggregated_round_s(SYNTHETIC, s, hit_rate=0.9, topups=1.5) == pytest.approx(18.1 * MS)
+    assert serial_round_s(SYNTHETIC, s, hit_rate=0.9, topups=1.5) == pytest.approx(26.1 * MS)
+    rounds = Rounds.of([3, 3], hit_rate=0.9, topups=1.5)
+    assert tok_s("disaggregated", SYNTHETIC, s, rounds) == pytest.approx(3 / (18.1 * MS))
+
+
 def test_tokens_per_second_is_mean_emitted_over_round_time():
     rounds = Rounds.of([1, 3, 2, 4, 1, 1], hit_rate=0.5)        # E[accepted + 1] = 2
     assert rounds.mean == 2

@@ -76,6 +76,7 @@ class DraftCollector:
             ("rounds", "Rounds answered", info.rounds),
             *((("tree_hits", "Rounds whose new root was in the tree", s.hits),
                ("expansions", "Draft forwards that grew a tree", s.expansions),
+               ("topup_expansions", "Expansions a round waited for (its tree was short)", s.topups),
                ("wasted_nodes", "Expanded nodes dropped by re-roots", s.wasted_nodes),
                ("draft_seconds", "Time spent drafting", s.draft_seconds)) if s is not None else ())))
 

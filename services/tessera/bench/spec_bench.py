@@ -89,17 +89,18 @@ def load_prompt(kind: str, tokenizer) -> list[int]:
 
 
 def repeated(engine, prompt: list[int], n: int, max_tokens: int,
-             hits=lambda: None) -> tuple[Run, float | None, bool]:
-    """(the median-speed run, its hit rate, whether every run emitted the same tokens).
-    hits() -> (rounds, hits) counters of the proposer, or None when it does not report them."""
+             hits=lambda: None) -> tuple[Run, tuple[float, float] | None, bool]:
+    """(the median-speed run, its (hit rate, top-ups per round), whether every run emitted the
+    same tokens). hits() -> (rounds, hits, top-ups) counters of the proposer, or None."""
     timed_generate(engine, prompt[:8], 2)                            # warm-up
     runs = []
     for _ in range(n):
         before = hits()
         run = timed_generate(engine, prompt, max_tokens)
         after = hits()
-        rate = None if before is None or after is None else \
-            (after[1] - before[1]) / max(after[0] - before[0] - 1, 1)   # the first round starts a tree
+        rounds = None if before is None or after is None else max(after[0] - before[0] - 1, 1)
+        rate = None if rounds is None else \
+            ((after[1] - before[1]) / rounds, (after[2] - before[2]) / rounds)   # the first round starts a tree
         runs.append((run, rate))
     runs.sort(key=lambda r: r[0].tok_s)
     run, rate = runs[len(runs) // 2]
@@ -107,12 +108,16 @@ def repeated(engine, prompt: list[int], n: int, max_tokens: int,
 
 
 def proposer_hits(proposer):
-    """() -> (rounds, hits) of an in-process proposer's DraftStats."""
-    return lambda: (proposer.stats.rounds, proposer.stats.hits)
+    """() -> (rounds, hits, top-ups) of an in-process proposer's DraftStats."""
+    return lambda: (proposer.stats.rounds, proposer.stats.hits, proposer.stats.topups)
+
+
+METRICS = ("tessera_draft_worker_rounds_total", "tessera_draft_worker_tree_hits_total",
+           "tessera_draft_worker_topup_expansions_total")
 
 
 def metrics_hits(url: str):
-    """() -> (rounds, hits) from a draft worker's /metrics, or None when it does not say."""
+    """() -> (rounds, hits, top-ups) from a draft worker's /metrics, or None when it does not say."""
     import logging
     logging.getLogger("httpx").setLevel(logging.WARNING)      # one scrape per run, not worth a log line
 
@@ -125,11 +130,9 @@ def metrics_hits(url: str):
         values = {}
         for line in text.splitlines():
             name, _, rest = line.partition("{")
-            if name in ("tessera_draft_worker_rounds_total", "tessera_draft_worker_tree_hits_total"):
+            if name in METRICS:
                 values[name] = float(rest.rsplit(" ", 1)[-1])
-        if len(values) < 2:
-            return None
-        return values["tessera_draft_worker_rounds_total"], values["tessera_draft_worker_tree_hits_total"]
+        return tuple(values[m] for m in METRICS) if len(values) == len(METRICS) else None
     return read
 
 
@@ -310,11 +313,13 @@ def _with_comm(p: SpecProfile, t_comm: float) -> SpecProfile:
 
 def _spec_row(mode, b: Bench, drafter, kind, engine, prompt, reference, profs, hits, **extra) -> dict:
     """hits() -> (rounds, hits) counters of the mode's proposer (None: unknown, taken as 0)."""
-    run, hit_rate, same = repeated(engine, prompt, b.a.repeats, b.a.max_tokens, hits)
-    rounds = Rounds.of(run.per_round, hit_rate if hit_rate is not None else 0.0)
+    run, rates, same = repeated(engine, prompt, b.a.repeats, b.a.max_tokens, hits)
+    hit_rate, topups = rates if rates is not None else (None, None)
+    rounds = Rounds.of(run.per_round, hit_rate if hit_rate is not None else 0.0, topups)
     predicted = tok_s(mode, profs[mode], shape_for(b, drafter), rounds)
     return row(mode, drafter, kind, run, reference.get(kind), same, predicted,
                hit_rate=None if hit_rate is None else round(hit_rate, 3),
+               topups_per_round=None if topups is None else round(topups, 3),
                emitted_per_round={k: v for k, v in sorted(rounds.emitted.items())}, **extra)
 
 

@@ -64,6 +64,7 @@ class SerialProposer:
             self.stats.expansions += bool(d.expand())
         while len(d.tree) < size and d.expand():
             self.stats.expansions += 1
+            self.stats.topups += 1
         self.stats.draft_seconds += time.perf_counter() - t0
         return d.draft(size)
 
@@ -97,6 +98,7 @@ class AsyncProposer(SerialProposer):
             d = self._sync(request_id, token_ids, num_new)
             while len(d.tree) < size and d.expand():   # the paper tops a short tree up at once
                 self.stats.expansions += 1
+                self.stats.topups += 1
             self._budget[request_id] = self.config.depth
             self._lock.notify()
             return d.draft(size)

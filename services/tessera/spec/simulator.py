@@ -54,14 +54,17 @@ class Shape:
 class Rounds:
     """Measured outcome of speculation rounds: how often each number of tokens was emitted in
     one round (accepted + 1 >= 1), and the fraction of rounds whose new root was in the draft
-    tree (a hit keeps the tree cache; a miss restarts the tree)."""
+    tree (a hit keeps the tree cache; a miss restarts the tree), and when measured, how many
+    expansions per round the draft had to make after the verified tokens arrived (its tree
+    was short of bs: the round waits for them); None: derived from the hit rate."""
     emitted: Mapping[float, float] = field(default_factory=lambda: {1: 1})   # tokens -> rounds
     hit_rate: float = 0.0
+    topups: float | None = None
 
     @classmethod
-    def of(cls, per_round: Sequence[int], hit_rate: float = 0.0) -> "Rounds":
+    def of(cls, per_round: Sequence[int], hit_rate: float = 0.0, topups: float | None = None) -> "Rounds":
         """From the tokens each measured round emitted."""
-        return cls(dict(Counter(per_round)) or {1: 1}, hit_rate)
+        return cls(dict(Counter(per_round)) or {1: 1}, hit_rate, topups)
 
     @classmethod
     def with_mean(cls, mean: float, hit_rate: float = 0.0) -> "Rounds":
@@ -105,23 +108,27 @@ def grow_s(p: SpecProfile, bs: int, w: int) -> float:
     return p.draft(1) + (k - 1) * p.draft(w) if k else 0.0
 
 
-def serial_round_s(p: SpecProfile, s: Shape, hit_rate: float) -> float:
+def serial_round_s(p: SpecProfile, s: Shape, hit_rate: float, topups: float | None = None) -> float:
     """Serial round: t_round + (1 - hit) t_prefix_flush + max(d, fill) t_draft(w) + t_target(bs).
     Draft and verification take turns on the same cores; a miss costs the flush (the d
-    expansions regrow the tree, with extra ones only if d < fill)."""
-    expansions = max(s.d, fill_expansions(s.bs, s.w))
+    expansions regrow the tree, with extra ones only if d < fill). With measured top-ups the
+    draft makes d + topups expansions instead of max(d, fill)."""
+    expansions = max(s.d, fill_expansions(s.bs, s.w)) if topups is None else s.d + topups
     return (p.t_round + (1 - hit_rate) * p.t_prefix_flush + expansions * p.draft(s.w)
             + p.target(s.bs))
 
 
-def disaggregated_round_s(p: SpecProfile, s: Shape, hit_rate: float) -> float:
+def disaggregated_round_s(p: SpecProfile, s: Shape, hit_rate: float, topups: float | None = None) -> float:
     """Disaggregated round: max(t_target(bs) + t_comm, d t_draft(w)) + t_round
-    + (1 - hit) (t_prefix_flush + grow(bs, w)).
-    The draft's d expansions overlap the verification and its messages; re-rooting, and after
-    a miss the flush and regrowing the tree to bs nodes, sit between receiving the verified
-    tokens and sending the next tree, so the target waits for them."""
+    + (1 - hit) (t_prefix_flush + grow(bs, w)), or with measured top-ups
+    + (1 - hit) t_prefix_flush + topups t_draft(w).
+    The draft's d expansions overlap the verification and its messages; re-rooting, and the
+    expansions a short tree needs (after a miss; after a hit too when the surviving subtree is
+    smaller than bs), sit between receiving the verified tokens and sending the next tree, so
+    the target waits for them."""
     overlap = max(p.target(s.bs) + p.t_comm, s.d * p.draft(s.w))
-    return overlap + p.t_round + (1 - hit_rate) * (p.t_prefix_flush + grow_s(p, s.bs, s.w))
+    regrow = grow_s(p, s.bs, s.w) * (1 - hit_rate) if topups is None else topups * p.draft(s.w)
+    return overlap + p.t_round + (1 - hit_rate) * p.t_prefix_flush + regrow
 
 
 def plain_tok_s(p: SpecProfile) -> float:
@@ -134,9 +141,9 @@ def tok_s(mode: str, p: SpecProfile, s: Shape, rounds: Rounds) -> float:
     if mode == "plain":
         return plain_tok_s(p)
     if mode == "serial":
-        return rounds.mean / serial_round_s(p, s, rounds.hit_rate)
+        return rounds.mean / serial_round_s(p, s, rounds.hit_rate, rounds.topups)
     if mode == "disaggregated":
-        return rounds.mean / disaggregated_round_s(p, s, rounds.hit_rate)
+        return rounds.mean / disaggregated_round_s(p, s, rounds.hit_rate, rounds.topups)
     raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
 
 

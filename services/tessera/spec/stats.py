@@ -11,6 +11,7 @@ class DraftStats:
     rounds: int = 0
     hits: int = 0
     expansions: int = 0
+    topups: int = 0                  # expansions a round waited for (its tree was short of bs)
     wasted_nodes: int = 0
     draft_seconds: float = 0.0
 
