@@ -157,6 +157,26 @@ def test_tree_cache_equals_recomputation_after_every_round(llama):
     assert 0 < hits < 8
 
 
+def test_tree_cache_grows_for_a_long_context_and_stays_exact(llama):
+    """A 300-token context outgrows the first allocation (256 slots) inside an expansion; the
+    grown cache is then re-rooted along the root's third child (its KV moves: a real gather),
+    outside inference mode as the proposers call it, and stays exact."""
+    model = load_model(llama, torch.float32)[0]
+    d = TreeDrafter(model, range(len(model.layers)), 1024, width=3)
+    rng = random.Random(1)
+    seq = [rng.randrange(40000) for _ in range(300)]
+    d.start(seq)
+    d.expand(), d.expand()                     # the root, then its three children
+    third = max(n for n in d.tree.kids[0].values() if n in d.slot)
+    emitted = [d.tree.tokens[third], 7]
+    assert d.slot[third] != d.prefix + 1
+    d.reroot(emitted)
+    seq += emitted
+    d.expand()
+    with torch.inference_mode():
+        check_cache(d, seq[:-1])
+
+
 # -- the target engine: lossless output -------------------------------------------------------
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 5, 13, 24])

@@ -84,6 +84,7 @@ class TreeDrafter:
         """The most probable ancestor-closed subtree of `size` nodes, root included."""
         return self.tree.draft(self.tree.best(size))
 
+    @torch.inference_mode()     # the caches may have been grown (allocated) in inference mode
     def reroot(self, emitted: list[int]) -> bool:
         """The target emitted `emitted` after the root (accepted tokens, then its own):
         the root and all but the last emitted token become verified prefix, the last the new
