@@ -12,6 +12,14 @@ from typing import Callable
 import httpx
 
 
+def wait_until(predicate, timeout_s: float, what: str) -> None:
+    """Poll predicate() every 0.2 s; fail with `what` after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
 def free_port() -> int:
     with contextlib.closing(socket.socket()) as s:
         s.bind(("127.0.0.1", 0))

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from servers import Logged, free_port, free_port_range
+from servers import Logged, free_port, free_port_range, wait_until
 
 pytestmark = pytest.mark.e2e
 GRACE_S = 20
@@ -51,13 +51,6 @@ def _ready(url: str) -> bool:
         return False
 
 
-def _wait(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.2)
-
-
 def _gateway_workers(url: str) -> float:
     """The gateway's own count of workers it routes to (it polls the registry every second)."""
     lines = [line for line in httpx.get(url + "/metrics").text.splitlines()
@@ -81,7 +74,7 @@ def single(tmp_path_factory):
         url = f"http://127.0.0.1:{port}"
         for i in range(2):
             up.wait_for(rf"tessera worker ready on 127.0.0.1:{worker_port + i}", 240)
-        _wait(lambda: _ready(url), 120, "the gateway never became ready")
+        wait_until(lambda: _ready(url), 120, "the gateway never became ready")
         yield up, url, worker_port
     finally:
         up.close()
@@ -106,8 +99,8 @@ def _registered(up: Logged, prefix: str = "tessera:single") -> list[str]:
 def test_up_restarts_a_sigkilled_worker_while_its_streams_fail_over(single):
     up, url, worker_port = single
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-    _wait(lambda: len(_registered(up)) == 2, 30, "both workers never registered")
-    _wait(lambda: _gateway_workers(url) == 2, 30, "the gateway never routed to both workers")  # else all
+    wait_until(lambda: len(_registered(up)) == 2, 30, "both workers never registered")
+    wait_until(lambda: _gateway_workers(url) == 2, 30, "the gateway never routed to both workers")  # else all
     victim = up.pid("worker-0")                                                    # streams may avoid it
 
     async def run():
@@ -123,7 +116,7 @@ def test_up_restarts_a_sigkilled_worker_while_its_streams_fail_over(single):
     assert up.pid("worker-0") != victim
     assert asyncio.run(_chat(_openai(url), model, 7, 4))[1] == "length"       # a new request succeeds
     up.wait_for(rf"tessera worker ready on 127.0.0.1:{worker_port}", 120, count=2)  # the new process serves
-    _wait(lambda: f"127.0.0.1:{worker_port}" in _registered(up), 30, "the restarted worker never registered")
+    wait_until(lambda: f"127.0.0.1:{worker_port}" in _registered(up), 30, "the restarted worker never registered")
     assert up.proc.poll() is None and len(up.pids("gateway-0")) == 1 and len(up.pids("worker-1")) == 1
     failovers = [line for line in httpx.get(url + "/metrics").text.splitlines()
                  if line.startswith("tessera_gateway_failovers_total")]
@@ -131,7 +124,7 @@ def test_up_restarts_a_sigkilled_worker_while_its_streams_fail_over(single):
 
     os.kill(up.pid("redis-0"), signal.SIGKILL)       # Redis comes back on its port; workers re-register
     up.wait_for(r"redis-0 pid \d+ \(restart 1\)", 10)
-    _wait(lambda: len(_registered(up)) == 2, 30, "the workers never registered in the restarted Redis")
+    wait_until(lambda: len(_registered(up)) == 2, 30, "the workers never registered in the restarted Redis")
     assert asyncio.run(_chat(_openai(url), model, 8, 4))[1] == "length"
 
 
@@ -160,12 +153,12 @@ def test_serve_restarts_its_worker_and_keeps_its_gateway(tiny_models):
     serve = Logged("serve", "--model", tiny_models["llama"], "--dtype", "float32", "--threads", "1",
                    "--port", str(port), "--worker-port", str(worker_port), "--restart-backoff-s", "0.2")
     try:
-        _wait(lambda: _ready(url), 180, "serve never became ready")
+        wait_until(lambda: _ready(url), 180, "serve never became ready")
         gateway, victim = serve.pid("gateway-0"), serve.pid("worker-0")
         os.kill(victim, signal.SIGKILL)
         serve.wait_for(r"worker-0 pid \d+ \(restart 1\)", 10)
         body = {"model": "llama", "prompt": "again", "max_tokens": 4}
-        _wait(lambda: httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200, 60,
+        wait_until(lambda: httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200, 60,
               "no request succeeded after the worker restarted")
         assert serve.pids("gateway-0") == [gateway] and serve.proc.poll() is None
     finally:

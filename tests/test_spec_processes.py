@@ -21,7 +21,7 @@ import grpc
 import httpx
 import pytest
 
-from servers import Logged, free_port
+from servers import Logged, free_port, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MAX_LEN = 2048      # the tiny random llama's context
@@ -39,13 +39,6 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _wait(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
 def stacks(tiny_models):
     """(speculative serve, its URL, its draft address, plain URL): two `tessera serve`s of the
@@ -59,7 +52,7 @@ def stacks(tiny_models):
     try:
         spec_url, plain_url = f"http://127.0.0.1:{spec_port}", f"http://127.0.0.1:{plain_port}"
         spec.wait_for(rf"tessera draft worker ready on 127.0.0.1:{draft_port}", 120)
-        _wait(lambda: _healthy(spec_url) and _healthy(plain_url), 120, "the gateways never became healthy")
+        wait_until(lambda: _healthy(spec_url) and _healthy(plain_url), 120, "the gateways never became healthy")
         yield spec, spec_url, f"127.0.0.1:{draft_port}", plain_url
     finally:
         spec.close(30)
@@ -194,7 +187,7 @@ def test_a_draft_worker_sigkilled_mid_stream_costs_only_speed(stacks):
         r = _openai(spec_url).chat.completions.create(model="llama", max_tokens=8, temperature=0,
                                                       messages=[{"role": "user", "content": "Again."}])
         return r.usage.completion_tokens_details is not None
-    _wait(speculating, 30, "speculation never resumed after the draft worker restarted")
+    wait_until(speculating, 30, "speculation never resumed after the draft worker restarted")
 
 
 @pytest.mark.e2e
@@ -215,7 +208,7 @@ def test_up_runs_the_speculative_topology_with_the_cluster_secret(tiny_models, t
     try:
         url = f"http://127.0.0.1:{port}"
         up.wait_for("tessera draft worker ready", 120)
-        _wait(lambda: _healthy(url), 120, "the gateway never became healthy")
+        wait_until(lambda: _healthy(url), 120, "the gateway never became healthy")
         r = _openai(url).chat.completions.create(model="llama", messages=[{"role": "user", "content": "Hi"}],
                                                  max_tokens=16, temperature=0)
         assert r.usage.completion_tokens_details.accepted_prediction_tokens > 0

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tessera.scheduler import StepPlan
-from tessera.spec.tree import Draft
+from tessera.spec.tree import Draft, lineage
 
 
 @dataclass
@@ -115,10 +115,7 @@ def _tree_chunk(start: int, start_pos: int, draft: Draft, table: tuple[int, ...]
     mask[:, :start_pos] = True
     parents = (-1,) + draft.parents
     for i in range(n):
-        a = i
-        while a >= 0:
-            mask[i, start_pos + a] = True
-            a = parents[a]
+        mask[i, [start_pos + a for a in lineage(parents, i)]] = True
     return PrefillChunk(start, n, start_pos, slots, mask)
 
 

@@ -125,6 +125,19 @@ class MemoryRegistry:
         pass
 
 
+async def stay_registered(registry, worker_id: str, record_now) -> None:
+    """Heartbeat record_now() until cancelled, then leave the registry (best effort) and close
+    it: how every registering process holds its record."""
+    try:
+        await heartbeat(registry, record_now)
+    finally:
+        try:
+            await registry.remove(worker_id)
+        except Exception:
+            pass
+        await registry.close()
+
+
 async def heartbeat(registry, record_now, interval_s: float = HEARTBEAT_S) -> None:
     """Put record_now() every interval_s until cancelled; outages are logged and retried."""
     warned = False

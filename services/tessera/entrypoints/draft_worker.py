@@ -95,7 +95,7 @@ async def _register(rounds: DraftRounds, registration) -> None:
     """Heartbeat a role "draft" record (load: requests with draft state) until cancelled."""
     import uuid
 
-    from tessera.registry import RedisRegistry, WorkerRecord, heartbeat
+    from tessera.registry import RedisRegistry, WorkerRecord, stay_registered
     url, prefix, address = registration
     registry = RedisRegistry(url, prefix=prefix)
     worker_id = f"draft-{address}-{uuid.uuid4().hex[:6]}"
@@ -103,14 +103,7 @@ async def _register(rounds: DraftRounds, registration) -> None:
     def record() -> WorkerRecord:
         info = rounds.info()
         return WorkerRecord(worker_id, "draft", info.model_id, address, rounds.max_requests, info.requests)
-    try:
-        await heartbeat(registry, record)
-    finally:
-        try:
-            await registry.remove(worker_id)
-        except Exception:
-            pass
-        await registry.close()
+    await stay_registered(registry, worker_id, record)
 
 
 def main(spec: SpeculativeConfig, model: str, dtype: str, max_model_len: int | None, host: str, port: int,

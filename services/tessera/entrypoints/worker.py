@@ -113,7 +113,7 @@ async def _register(engine: AsyncEngine, config: EngineConfig, role: str, regist
     """Heartbeat this worker's record (with its current load) into the registry until cancelled."""
     import uuid
 
-    from tessera.registry import RedisRegistry, WorkerRecord, heartbeat
+    from tessera.registry import RedisRegistry, WorkerRecord, stay_registered
     url, prefix, address = registration
     registry = RedisRegistry(url, prefix=prefix)
     worker_id = f"{role}-{address}-{uuid.uuid4().hex[:6]}"
@@ -123,14 +123,7 @@ async def _register(engine: AsyncEngine, config: EngineConfig, role: str, regist
         info = engine.info()
         return WorkerRecord(worker_id, role, info.model_id, address, config.scheduler.max_num_seqs,
                             info.num_running + info.num_waiting, version)
-    try:
-        await heartbeat(registry, record)
-    finally:
-        try:
-            await registry.remove(worker_id)
-        except Exception:
-            pass
-        await registry.close()
+    await stay_registered(registry, worker_id, record)
 
 
 def main(config: EngineConfig, host: str, port: int, registration=None, metrics_port: int | None = None,

@@ -17,7 +17,7 @@ import torch
 from tessera.batch import ForwardBatch, PrefillChunk
 from tessera.models.driver import run_layers
 from tessera.models.llama import CausalLM
-from tessera.spec.tree import Draft, TokenTree
+from tessera.spec.tree import Draft, TokenTree, lineage
 
 
 class TreeDrafter:
@@ -65,10 +65,7 @@ class TreeDrafter:
         mask[:q, :p + q] = torch.arange(p + q)[None, :] <= torch.arange(p, p + q)[:, None]
         mask[q:, :p + q] = True
         for i, n in enumerate(leaves):
-            a = n
-            while a != -1:
-                mask[q + i, self.slot[a]] = True
-                a = self.tree.parents[a]
+            mask[q + i, [self.slot[a] for a in lineage(self.tree.parents, n)]] = True
         positions = list(range(p, p + q)) + [p + q + self.tree.depths[n] for n in leaves]
         tokens = pending + [self.tree.tokens[n] for n in leaves]
         logits = self._forward(tokens, start, positions, mask, skip=q)

@@ -11,6 +11,17 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from typing import Sequence
+
+
+def lineage(parents: Sequence[int], node: int) -> list[int]:
+    """`node` and its ancestors up to the root (parents[root] == -1): the rows a tree node's
+    attention mask opens, in the target's tree chunk and in the draft's tree cache alike."""
+    out = []
+    while node != -1:
+        out.append(node)
+        node = parents[node]
+    return out
 
 
 @dataclass(frozen=True)
