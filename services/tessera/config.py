@@ -147,6 +147,9 @@ class EngineConfig:
     dtype: str = field(default="auto", metadata={
         "choices": ("auto", "float32", "bfloat16"),
         "help": "auto: bfloat16 where the CPU has AMX/AVX512-BF16, else float32"})
+    quantization: str | None = field(default=None, metadata={
+        "help": "weight-only quantized linears: int8, int4 (group 32), int3, gguf (serve a GGUF's own Q4 "
+        "blocks), or a plan JSON with per-layer 'bits' (tessera plan pq); default: dense"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "longest prompt + completion (default: the model's)"})
     num_threads: int | None = field(default=None, metadata={
@@ -160,6 +163,9 @@ class EngineConfig:
             raise ConfigError("dtype must be auto, float32 or bfloat16")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError("max_model_len must be > 0")
+        q = self.quantization
+        if q not in (None, "int8", "int4", "int3", "gguf") and not (q.endswith(".json")):
+            raise ConfigError("quantization must be int8, int4, int3, gguf or a plan .json file", "quantization")
 
 
 @dataclass(frozen=True)

@@ -84,7 +84,7 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         self.dtype = resolve_dtype(config.dtype)
         if model is None:
-            model, _ = load_model(config.model, self.dtype)
+            model, _ = load_model(config.model, self.dtype, quantization=config.quantization)
         if tokenizer is None:
             from tessera.tokenizer import load_tokenizer
             tokenizer = load_tokenizer(config.model)
@@ -117,7 +117,10 @@ class Engine:
         vocab = sorted(self.tokenizer.get_vocab().items())
         template = getattr(self.tokenizer, "chat_template", None) or ""
         tokenizer = hashlib.sha256(repr((vocab, template)).encode()).hexdigest()[:16]
-        return compatibility_hash(self.model_id, str(self.dtype).removeprefix("torch."), tokenizer)
+        dtype = str(self.dtype).removeprefix("torch.")
+        if self.config.quantization:   # a plan file is named by its contents: two plans may differ
+            dtype += "+" + _quantization_digest(self.config.quantization)
+        return compatibility_hash(self.model_id, dtype, tokenizer)
 
     @property
     def has_unfinished(self) -> bool:
@@ -337,6 +340,12 @@ class Engine:
             for out in self.step():
                 outputs[out.request_id].extend(out.new_token_ids)
         return [outputs[i] for i in ids]
+
+
+def _quantization_digest(spec: str) -> str:
+    import pathlib
+    path = pathlib.Path(spec)
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:12] if path.is_file() else spec
 
 
 class ContextLengthError(ConfigError):

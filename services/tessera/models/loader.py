@@ -117,16 +117,28 @@ def _no_init():
 
 
 def load_model(model: str, dtype: torch.dtype = torch.float32,
-               prune: Callable[[CausalLM], None] | None = None) -> tuple[CausalLM, ModelConfig]:
+               prune: Callable[[CausalLM], None] | None = None,
+               quantization: str | None = None) -> tuple[CausalLM, ModelConfig]:
     """The model with its checkpoint weights. prune(model), when given, removes (or shrinks)
     the modules a node does not hold before anything is read: an attention node drops the
-    FFN weights, an expert node everything but its share, and their tensors are skipped unread."""
+    FFN weights, an expert node everything but its share, and their tensors are skipped unread.
+    quantization (layers/quant.parse_quantization): the decoder linears are quantized as they
+    load ('gguf': built from a GGUF's own Q4 blocks)."""
+    from tessera.layers.quant import parse_quantization, quantize_model
     path = resolve_model_path(model)
     cfg = load_config(path)
     net = build_model(cfg, dtype)
     if prune is not None:
         prune(net)
+    bits = parse_quantization(quantization, cfg.num_layers)
+    if bits == "gguf":
+        if path.suffix != ".gguf":
+            raise ValueError(f"--quantization gguf needs a .gguf model, not {path}")
+        from tessera.models.gguf_quant import load_gguf_quantized
+        load_gguf_quantized(net, path)
     load_weights(net, iter_checkpoint(path))
+    if isinstance(bits, list):
+        quantize_model(net, bits)
     return net, cfg
 
 

@@ -1,0 +1,222 @@
+"""Weight-only quantized linears: the weights are stored in 8, 4 or 3 bits, activations stay
+16-bit. Decode reads every weight once per token, so fewer weight bytes is a faster token.
+
+    int8   per output row, symmetric:        w = q * s            q in [-127, 127]
+    int4   per group of G input columns,     w = q * s + m        q in [0, 15]
+    int3   asymmetric (round to nearest):    w = q * s + m        q in [0, 7]
+
+Each kind has its fake-quant reference (`fake_quant`: the dequantized weight, what the packed
+kernel must reproduce). On CPU the matmuls are torch's packed kernels
+(aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu); they are fast only with 16-bit
+activations (float32 activations take a slow path, ~10x slower), so a quantized linear computes
+in bfloat16 whatever the model's dtype, and its reference does the same. int3 codes ride in the
+int4 kernel (quality of 3 bits, speed and memory of 4). GGUF Q4_0/Q4_1 blocks are exactly the
+int4 form with G = 32 (`Int4Linear.from_codes`), so they are served without a dense copy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+BITS = (3, 4, 8, 16)
+COMPUTE_DTYPE = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class QuantCodes:
+    """Integer codes [N, K] and per-group scale and offset [N, K / group] of a weight [N, K]:
+    w = q * scale + offset (int8: group = K, offset 0)."""
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+    group: int
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.codes.shape
+        q = self.codes.float().view(n, k // self.group, self.group)
+        return (q * self.scale.float()[..., None] + self.offset.float()[..., None]).view(n, k)
+
+
+def quantize_rtn(w: torch.Tensor, bits: int, group_size: int = 32) -> QuantCodes:
+    """Round-to-nearest codes of weight w [N, K]: int8 symmetric per row; int4/int3
+    asymmetric per group of `group_size` columns (K must be a multiple of it). Scales and
+    offsets are rounded to bfloat16 first, so the codes are the best ones for the stored scales."""
+    w = w.detach().float()
+    n, k = w.shape
+    if bits == 8:
+        scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-12).to(COMPUTE_DTYPE).float()
+        codes = (w / scale).round().clamp(-127, 127).to(torch.int8)
+        return QuantCodes(codes, scale.to(COMPUTE_DTYPE), torch.zeros_like(scale, dtype=COMPUTE_DTYPE), k)
+    if bits not in (3, 4):
+        raise ValueError(f"weight-only quantization supports 3, 4 and 8 bits, not {bits}")
+    if k % group_size:
+        raise ValueError(f"input size {k} is not a multiple of the group size {group_size}")
+    g = w.view(n, k // group_size, group_size)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    levels = 2 ** bits - 1
+    scale = ((hi - lo) / levels).clamp(min=1e-8).to(COMPUTE_DTYPE).float()
+    offset = lo.to(COMPUTE_DTYPE).float()
+    codes = ((g - offset[..., None]) / scale[..., None]).round().clamp(0, levels).to(torch.uint8)
+    return QuantCodes(codes.view(n, k), scale.to(COMPUTE_DTYPE), offset.to(COMPUTE_DTYPE), group_size)
+
+
+def fake_quant(w: torch.Tensor, bits: int, group_size: int = 32) -> torch.Tensor:
+    """The reference: w quantized and dequantized (float32); 16 bits returns w unchanged."""
+    return w if bits == 16 else quantize_rtn(w, bits, group_size).dequantize()
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T + b with W stored as int8 codes and one bfloat16 scale per output row."""
+    bits = 8
+
+    def __init__(self, q: QuantCodes, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.register_buffer("codes", q.codes.to(torch.int8).contiguous())
+        self.register_buffer("scale", q.scale.reshape(-1).to(COMPUTE_DTYPE).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.out_features, self.in_features = self.codes.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(COMPUTE_DTYPE), self.codes, self.scale)
+        y = y.to(x.dtype).view(*shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T + b with W stored as 4-bit codes packed for torch's CPU kernel and a bfloat16
+    (scale, offset) per group of `group` input columns. Holds 3-bit codes the same way."""
+
+    def __init__(self, q: QuantCodes, bias: torch.Tensor | None = None, bits: int = 4) -> None:
+        super().__init__()
+        self.bits, self.group = bits, q.group
+        self.out_features, self.in_features = q.codes.shape
+        # The kernel computes (q - 8) * scale + zero, so zero = offset + 8 * scale; [K/G, N, 2].
+        scale, offset = q.scale.float(), q.offset.float()
+        zeros = offset + 8 * scale
+        self.register_buffer("scale_zeros", torch.stack([scale, zeros], dim=-1).transpose(0, 1)
+                             .to(COMPUTE_DTYPE).contiguous())
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            q.codes.to(torch.int32).contiguous(), 1))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    @classmethod
+    def from_codes(cls, q: QuantCodes, bias: torch.Tensor | None = None) -> "Int4Linear":
+        """From 4-bit codes made elsewhere (GGUF Q4_0/Q4_1 blocks)."""
+        return cls(q, bias, bits=4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(COMPUTE_DTYPE), self.packed,
+                                                       self.group, self.scale_zeros)
+        y = y.to(x.dtype).view(*shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def quantized_linear(linear: nn.Linear, bits: int, group_size: int = 32) -> nn.Module:
+    """The quantized replacement of `linear` (16 bits: the linear itself)."""
+    if bits == 16:
+        return linear
+    q = quantize_rtn(linear.weight, bits, group_size)
+    if bits == 8:
+        return Int8Linear(q, linear.bias)
+    return Int4Linear(q, linear.bias, bits=bits)
+
+
+def reference_linear(linear: nn.Linear, bits: int, group_size: int = 32) -> nn.Module:
+    """The fake-quant twin of quantized_linear: a bfloat16 nn.Linear holding the dequantized
+    weight (16 bits: the linear itself). Tests compare the packed kernels against it."""
+    if bits == 16:
+        return linear
+    ref = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                    dtype=COMPUTE_DTYPE, device="meta")
+    ref.weight = nn.Parameter(fake_quant(linear.weight, bits, group_size).to(COMPUTE_DTYPE), requires_grad=False)
+    if linear.bias is not None:
+        ref.bias = nn.Parameter(linear.bias.detach().to(COMPUTE_DTYPE), requires_grad=False)
+    return _Bf16(ref)
+
+
+class _Bf16(nn.Module):
+    """Runs a module in bfloat16 and returns the caller's dtype (as the quantized kernels do)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x.to(COMPUTE_DTYPE)).to(x.dtype)
+
+
+def _skip(name: str) -> bool:
+    """MoE routers stay in full precision (tiny, and a flipped expert choice costs more than
+    it saves), as in vLLM and llama.cpp."""
+    return name.endswith("router.gate") or name.endswith("shared_gate")
+
+
+def layer_linears(layer: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The nn.Linear modules of a decoder layer that weight-only quantization replaces."""
+    return [(n, m) for n, m in layer.named_modules() if isinstance(m, nn.Linear) and not _skip(n)]
+
+
+def parse_quantization(spec: str | None, num_layers: int) -> list[int] | str | None:
+    """--quantization: None (dense), 'int8' | 'int4' | 'int3' (every decoder layer), 'gguf'
+    (a GGUF's own Q4 blocks), or a JSON file with {"bits": [one per layer]} (a `tessera plan
+    pq` plan). Returns per-layer bits, 'gguf' or None."""
+    if spec in (None, "", "none"):
+        return None
+    if spec == "gguf":
+        return "gguf"
+    if spec in ("int8", "int4", "int3"):
+        return per_layer_bits(int(spec[3:]), num_layers)
+    import json
+    import pathlib
+    path = pathlib.Path(spec)
+    if not path.is_file():
+        raise ValueError(f"--quantization {spec!r}: choose int8, int4, int3, gguf or a plan file with 'bits'")
+    return per_layer_bits(json.loads(path.read_text())["bits"], num_layers)
+
+
+def per_layer_bits(bits: int | Sequence[int], num_layers: int) -> list[int]:
+    """One bit-width per layer from an int or a sequence (checked)."""
+    out = [int(bits)] * num_layers if isinstance(bits, int) else [int(b) for b in bits]
+    if len(out) != num_layers:
+        raise ValueError(f"{len(out)} bit-widths for {num_layers} layers")
+    bad = sorted({b for b in out if b not in BITS})
+    if bad:
+        raise ValueError(f"unsupported bit-widths {bad} (choose from {BITS})")
+    return out
+
+
+def quantize_model(model: nn.Module, bits: int | Sequence[int], group_size: int = 32,
+                   reference: bool = False) -> None:
+    """Replace, in place, the linears of decoder layer l by their bits[l] form (16: unchanged).
+    Layers a node does not hold (attn or ffn set to None) are skipped. reference=True installs
+    the fake-quant twins instead of the packed kernels."""
+    make = reference_linear if reference else quantized_linear
+    for layer, b in zip(model.layers, per_layer_bits(bits, len(model.layers))):
+        if b == 16:
+            continue
+        for name, linear in layer_linears(layer):
+            replace_module(layer, name, make(linear, b, group_size))
+
+
+def replace_module(root: nn.Module, dotted: str, new: nn.Module) -> None:
+    """Put `new` where root's submodule `dotted` (e.g. 'layers.3.attn.qkv_proj') is."""
+    parent, _, attr = dotted.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, attr, new)
+
+
+def linear_weight_bytes(out_features: int, in_features: int, bits: int, group_size: int = 32,
+                        dense_bytes: int = 2) -> int:
+    """Bytes a linear's weight takes at `bits` (scales and offsets included): the memory model."""
+    n = out_features * in_features
+    if bits == 16:
+        return n * dense_bytes
+    if bits == 8:
+        return n + 2 * out_features
+    stored = 4   # int3 codes are stored in the int4 kernel's layout
+    return n * stored // 8 + 4 * out_features * (in_features // group_size)
+
