@@ -1,0 +1,126 @@
+"""Quantization-sensitivity indicator ω[layer, bits] (LLM-PQ's "variance indicator", papers.md
+§4.4), for `tessera plan pq`: lower ω = the layer loses less at that bit-width.
+
+A calibration pass (quality.py's calibration text) records, for every linear of every layer
+with its real shape (fused q|k|v, o, gate|up, down), the mean square of each input column
+E[x_k^2] and the Hessian-free variance statistic the paper uses (Σ_tokens Var_hidden(x)).
+Round-to-nearest noise on a weight is uniform within a step, variance step^2 / 12, so the
+expected squared error it adds to one output of one token is
+
+    ω_linear(b) = Σ_n Σ_k step_b(n, group(k))^2 / 12 · E[x_k^2]
+
+with our quantizer's own steps (int8: per row; int3/int4: per group of G columns). The
+paper's cruder form, (max_row range / (2^(b-1) - 1))^2 · Σ Var(x), is kept beside it
+(`omega_paper`). ω[layer, b] sums its linears. `validate` measures what the indicator
+predicts: the held-out perplexity increase of quantizing one layer at a time.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+from dataclasses import dataclass, field
+
+import torch
+
+from tessera.layers.quant import fake_quant, layer_linears
+from tessera.models.llama import CausalLM
+from tessera.pipeline import quality
+
+BITS = (3, 4, 8, 16)
+
+
+@dataclass
+class LinearStats:
+    """Input statistics of one linear over the calibration tokens."""
+    sq_sum: torch.Tensor                 # Σ_tokens x_k^2, per input column [K]
+    var_sum: float = 0.0                 # Σ_tokens Var_k(x) (the paper's statistic)
+    tokens: int = 0
+    weight: torch.Tensor = field(default=None)  # type: ignore[assignment]
+
+
+@torch.inference_mode()
+def calibrate(model: CausalLM, token_windows: list[list[int]]) -> list[dict[str, LinearStats]]:
+    """Per layer, per linear name: input statistics over all windows."""
+    stats: list[dict[str, LinearStats]] = []
+    hooks = []
+    for layer in model.layers:
+        per_layer: dict[str, LinearStats] = {}
+        for name, linear in layer_linears(layer):
+            s = per_layer[name] = LinearStats(torch.zeros(linear.in_features), weight=linear.weight)
+            hooks.append(linear.register_forward_pre_hook(_recorder(s)))
+        stats.append(per_layer)
+    try:
+        for tokens in token_windows:
+            quality.hidden_states(model, tokens)
+    finally:
+        for h in hooks:
+            h.remove()
+    return stats
+
+
+def _recorder(s: LinearStats):
+    def hook(module, args):
+        x = args[0].detach().float().reshape(-1, args[0].shape[-1])
+        s.sq_sum += x.pow(2).sum(0)
+        s.var_sum += x.var(dim=-1, unbiased=False).sum().item()
+        s.tokens += x.shape[0]
+    return hook
+
+
+def rtn_steps(w: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """Our quantizer's step for every weight [N, K] (0 at 16 bits)."""
+    w = w.detach().float()
+    if bits == 16:
+        return torch.zeros_like(w)
+    if bits == 8:
+        return (w.abs().amax(dim=1, keepdim=True) / 127).expand_as(w)
+    g = w.view(w.shape[0], -1, group_size)
+    step = (g.amax(-1) - g.amin(-1)) / (2 ** bits - 1)
+    return step.repeat_interleave(group_size, dim=1)
+
+
+def omega(stats: list[dict[str, LinearStats]], bits=BITS, group_size: int = 32) -> list[list[float]]:
+    """ω[layer][i] for bits[i]: expected squared output error per token, summed over linears."""
+    return [[sum(float((rtn_steps(s.weight, b, group_size) ** 2 / 12 * (s.sq_sum / s.tokens)).sum())
+                 for s in layer.values()) for b in bits] for layer in stats]
+
+
+def omega_paper(stats: list[dict[str, LinearStats]], bits=BITS) -> list[list[float]]:
+    """The paper's form: (max row range / (2^(b-1) - 1))^2 · mean Σ Var(x), per linear."""
+    def score(s: LinearStats, b: int) -> float:
+        if b == 16:
+            return 0.0
+        w = s.weight.float()
+        step = (w.amax(1) - w.amin(1)).max().item() / (2 ** (b - 1) - 1)
+        return step ** 2 * s.var_sum / max(s.tokens, 1)
+    return [[sum(score(s, b) for s in layer.values()) for b in bits] for layer in stats]
+
+
+@torch.inference_mode()
+def one_layer_perplexities(model: CausalLM, token_windows: list[list[int]], bits: int,
+                           group_size: int = 32) -> list[float]:
+    """Held-out perplexity with layer l alone fake-quantized to `bits`, for every l."""
+    out = []
+    for layer in model.layers:
+        saved = [(lin, lin.weight.detach().clone()) for _, lin in layer_linears(layer)]
+        for lin, w in saved:
+            lin.weight.copy_(fake_quant(w, bits, group_size))
+        out.append(quality.perplexity(model, token_windows))
+        for lin, w in saved:
+            lin.weight.copy_(w)
+    return out
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Rank correlation (no ties expected in measured floats)."""
+    ra = torch.tensor(a).argsort().argsort().float()
+    rb = torch.tensor(b).argsort().argsort().float()
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / (ra.norm() * rb.norm()))
+
+
+def write(path: str | pathlib.Path, omega_rows: list[list[float]], paper_rows: list[list[float]],
+          group_size: int, meta: dict) -> None:
+    """The file `tessera plan pq --indicator` reads: {"bits", "omega": [[per bit] per layer]}."""
+    pathlib.Path(path).write_text(json.dumps({"bits": list(BITS), "omega": omega_rows, "omega_paper": paper_rows,
+                                              "group_size": group_size, **meta}, indent=1))
