@@ -317,6 +317,10 @@ COMMANDS = {
                         "the simulator's predictions", *_module_command("tessera.bench.spec_bench")),
     ("profile",): ("measure T_a(b), T_e(b), T_c(b), T_o(b) here; write a JSON profile",
                    *_module_command("tessera.disagg.profile")),
+    ("bench", "quant"): ("decode speed and held-out perplexity at 16/8/4 bits (per-linear kernel times "
+                         "with --kernels)", *_module_command("tessera.bench.quant_bench")),
+    ("indicator",): ("LLM-PQ: calibrate the quantization-sensitivity indicator ω[layer, bits] (--validate: "
+                     "against one-layer perplexity increases)", *_module_command("tessera.pipeline.indicator_cli")),
     ("plan", "afd"): ("MegaScale-Infer plan search (Algorithm 1); writes a topology file",
                       *_module_command("tessera.disagg.plan_cli")),
 }
