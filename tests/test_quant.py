@@ -167,3 +167,23 @@ def test_gguf_q4_served_greedy_equals_dense(smollm2_q4, smollm2_engine):
 def test_int8_is_its_own_kind():
     lin = nn.Linear(64, 32)
     assert isinstance(quantized_linear(lin, 8), Int8Linear) and quantized_linear(lin, 16) is lin
+
+
+def test_quantized_checkpoint_serves_what_load_time_quantization_serves(tiny_llama4, tmp_path):
+    """`tessera quantize` as a user runs it, then the directory served with no --quantization."""
+    import json
+    import subprocess
+    import sys
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"bits": [4, 8, 16, 3]}))
+    out = tmp_path / "q"
+    subprocess.run([sys.executable, "-m", "tessera.cli", "quantize", tiny_llama4, "--bits", str(plan),
+                    "--out", str(out)], check=True, capture_output=True)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompt = [[9, 80, 700, 6000, 3]]
+    from_dir = Engine(EngineConfig(model=str(out), dtype="float32"))
+    at_load = Engine(EngineConfig(model=tiny_llama4, dtype="float32", quantization=str(plan)))
+    assert from_dir.generate(prompt, sp) == at_load.generate(prompt, sp)
+    assert [getattr(layer.attn.qkv_proj, "bits", 16) for layer in from_dir.runner.model.layers] == [4, 8, 16, 3]
+    with pytest.raises(ValueError, match="already quantized"):
+        load_model(str(out), torch.float32, quantization="int8")

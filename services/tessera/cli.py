@@ -119,6 +119,27 @@ def cmd_init_random(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quantize(a: argparse.Namespace) -> int:
+    import pathlib
+
+    from tessera.layers.quant import parse_quantization
+    from tessera.models import quantized_checkpoint
+    from tessera.models.loader import load_config, resolve_model_path
+    bits = parse_quantization(a.bits, load_config(resolve_model_path(a.model)).num_layers)
+    if not isinstance(bits, list):
+        raise ConfigError("--bits must be int8, int4, int3 or a plan file with 'bits'")
+    manifest = quantized_checkpoint.write(a.model, pathlib.Path(a.out), bits, a.group_size)
+    print(f"wrote {a.out}: bits per layer {manifest['bits']}, group size {a.group_size}")
+    return 0
+
+
+def _quantize_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default="smollm2", help="'smollm2', an HF directory or a .gguf file")
+    p.add_argument("--bits", default="int4", help="int8, int4, int3, or a plan JSON with per-layer 'bits'")
+    p.add_argument("--group-size", type=int, default=32)
+    p.add_argument("--out", required=True, help="directory to write (tessera serve --model DIR serves it)")
+
+
 def cmd_bench_engine(a: argparse.Namespace) -> int:
     from tessera.bench.engine_bench import main
     return main(a)
@@ -317,6 +338,8 @@ COMMANDS = {
                         "the simulator's predictions", *_module_command("tessera.bench.spec_bench")),
     ("profile",): ("measure T_a(b), T_e(b), T_c(b), T_o(b) here; write a JSON profile",
                    *_module_command("tessera.disagg.profile")),
+    ("quantize",): ("write a weight-only quantized checkpoint (packed codes + scales) that serve loads "
+                    "directly", _quantize_args, cmd_quantize),
     ("bench", "quant"): ("decode speed and held-out perplexity at 16/8/4 bits (per-linear kernel times "
                          "with --kernels)", *_module_command("tessera.bench.quant_bench")),
     ("indicator",): ("LLM-PQ: calibrate the quantization-sensitivity indicator ω[layer, bits] (--validate: "

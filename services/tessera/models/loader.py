@@ -69,6 +69,9 @@ def model_id_for(model: str) -> str:
 
 
 def load_config(path: pathlib.Path) -> ModelConfig:
+    from tessera.models import quantized_checkpoint
+    if quantized_checkpoint.is_quantized_checkpoint(path):
+        return quantized_checkpoint.read_config(path)
     if path.suffix == ".gguf":
         from tessera.models.gguf_reader import gguf_config
         return gguf_config(path)
@@ -130,6 +133,12 @@ def load_model(model: str, dtype: torch.dtype = torch.float32,
     net = build_model(cfg, dtype)
     if prune is not None:
         prune(net)
+    from tessera.models import quantized_checkpoint
+    if quantized_checkpoint.is_quantized_checkpoint(path):
+        if quantization:
+            raise ValueError(f"{path} is already quantized (tessera quantize): drop --quantization")
+        quantized_checkpoint.load(net, path)
+        return net, cfg
     bits = parse_quantization(quantization, cfg.num_layers)
     if bits == "gguf":
         if path.suffix != ".gguf":
