@@ -1,5 +1,5 @@
 """`tessera` command line: serve | up | render | probe | keys add | worker | attention-node | expert-node |
-target-worker | draft-worker | gateway | model init-random | bench engine | bench serve | bench m2n | bench afd | profile | plan afd.
+target-worker | draft-worker | pipeline-shard | gateway | model init-random | bench engine | bench serve | bench m2n | bench afd | profile | plan afd.
 
 Only argument parsing: each command builds its configs and calls its entrypoint
 (entrypoints/<role>.py, deploy/, bench/, disagg/). Config flags are generated from the frozen
@@ -16,6 +16,7 @@ from tessera import cluster_auth
 from tessera.config import AfdConfig, ConfigError, EngineConfig, SpeculativeConfig
 from tessera.deploy.supervisor import SupervisorConfig
 from tessera.entrypoints.flags import add_flags, from_args
+from tessera.pipeline.stages import StageConfig
 
 DTYPES = ["auto", "float32", "bfloat16"]
 
@@ -83,6 +84,12 @@ def cmd_draft_worker(a: argparse.Namespace) -> int:
                 a.metrics_port, a.shutdown_grace_s)
 
 
+def cmd_pipeline_shard(a: argparse.Namespace) -> int:
+    from tessera.entrypoints.pipeline_shard import main
+    return main(from_args(EngineConfig, a), from_args(StageConfig, a), a.host, a.port, _registration(a),
+                a.metrics_port, a.shutdown_grace_s)
+
+
 def cmd_up(a: argparse.Namespace) -> int:
     from tessera.deploy.topology import Topology
     from tessera.deploy.up import up
@@ -120,17 +127,8 @@ def cmd_init_random(a: argparse.Namespace) -> int:
 
 
 def cmd_quantize(a: argparse.Namespace) -> int:
-    import pathlib
-
-    from tessera.layers.quant import parse_quantization
-    from tessera.models import quantized_checkpoint
-    from tessera.models.loader import load_config, resolve_model_path
-    bits = parse_quantization(a.bits, load_config(resolve_model_path(a.model)).num_layers)
-    if not isinstance(bits, list):
-        raise ConfigError("--bits must be int8, int4, int3 or a plan file with 'bits'")
-    manifest = quantized_checkpoint.write(a.model, pathlib.Path(a.out), bits, a.group_size)
-    print(f"wrote {a.out}: bits per layer {manifest['bits']}, group size {a.group_size}")
-    return 0
+    from tessera.entrypoints.quantize import main
+    return main(a.model, a.bits, a.group_size, a.out)
 
 
 def _quantize_args(p: argparse.ArgumentParser) -> None:
@@ -280,6 +278,11 @@ def _draft_worker_args(p: argparse.ArgumentParser) -> None:
     _registry_args(p)
 
 
+def _pipeline_shard_args(p: argparse.ArgumentParser) -> None:
+    _worker_args(p)   # engine flags (stage 0's; a later stage reads model, dtype, quantization, cache, threads)
+    add_flags(p, StageConfig)
+
+
 def _init_random_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", required=True, choices=["llama", "mixtral", "qwen2_moe", "qwen3_moe"])
     p.add_argument("--out", required=True)
@@ -326,7 +329,11 @@ COMMANDS = {
                          _worker_args, cmd_target_worker),
     ("draft-worker",): ("speculative decoding: drafts trees for a target worker's --draft-address",
                         _draft_worker_args, cmd_draft_worker),
+    ("pipeline-shard",): ("LLM-PQ pipeline: a stage holding layers START:END (stage 0: the worker, linking the "
+                          "others)", _pipeline_shard_args, cmd_pipeline_shard),
     ("gateway",): ("the OpenAI-compatible HTTP gateway", _gateway_args, cmd_gateway),
+    ("run-batch",): ("an OpenAI batch file offline: in this process, or against a deployment's --url",
+                     *_module_command("tessera.entrypoints.run_batch")),
     ("model", "init-random"): ("write a tiny random checkpoint (HF format)", _init_random_args, cmd_init_random),
     ("bench", "engine"): ("offline engine throughput (no HTTP)", _bench_engine_args, cmd_bench_engine),
     ("bench", "serve"): ("load generator for any OpenAI-compatible server", _bench_serve_args, cmd_bench_serve),

@@ -6,7 +6,7 @@ A directory holding
                              quantized linear NAME.codes (4-bit codes two to a byte, or int8),
                              NAME.scale and NAME.offset (bfloat16)
     tokenizer files          the source's tokenizer (save_pretrained)
-Loading rebuilds each quantized linear from its codes (layers/quant.py) and copies the rest,
+Loading (models/loader.py calls `load`) rebuilds each quantized linear from its codes (layers/quant.py) and copies the rest,
 so nothing is requantized and no dense copy of a quantized weight ever exists.
 """
 from __future__ import annotations
@@ -28,13 +28,11 @@ def is_quantized_checkpoint(path: pathlib.Path) -> bool:
     return (path / MANIFEST).is_file()
 
 
-def write(model: str, out: pathlib.Path, bits, group_size: int = 32) -> dict:
-    """Quantize `model` (any path the loader reads) to per-layer `bits` and write it to `out`."""
+def save(net: torch.nn.Module, out: pathlib.Path, bits, group_size: int, source: str) -> dict:
+    """Quantize a loaded (float32) model to per-layer `bits` and write it to `out` (the
+    caller adds the tokenizer: entrypoints/quantize.py)."""
     from safetensors.torch import save_file
-
-    from tessera.models.loader import load_model
-    from tessera.tokenizer import load_tokenizer
-    net, cfg = load_model(model, torch.float32)
+    cfg = net.config
     bits = per_layer_bits(bits, cfg.num_layers)
     tensors: dict[str, torch.Tensor] = {}
     quantized = set()
@@ -50,9 +48,8 @@ def write(model: str, out: pathlib.Path, bits, group_size: int = 32) -> dict:
             tensors[name] = p.contiguous()
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"))
-    manifest = {"model_config": dataclasses.asdict(cfg), "bits": bits, "group_size": group_size, "source": model}
+    manifest = {"model_config": dataclasses.asdict(cfg), "bits": bits, "group_size": group_size, "source": source}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    load_tokenizer(model).save_pretrained(str(out))
     return manifest
 
 
