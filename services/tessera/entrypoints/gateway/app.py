@@ -2,7 +2,8 @@
 
 Routes: GET /v1/models, POST /v1/chat/completions and /v1/completions (JSON or SSE),
 GET /health (deep: one token through the engine loop), /health/live (the process answers),
-/health/ready (a worker answers), GET /metrics (Prometheus).
+/health/ready (a worker answers), GET /metrics (Prometheus); with batch=..., OpenAI's Files and
+Batch APIs (/v1/files, /v1/batches: batch_api.py).
 All OpenAI logic lives in tessera.openai_api, admission (body size, API keys, rate limits,
 in-flight bound) in admission.py; this module wires them to HTTP.
 """
@@ -33,12 +34,19 @@ from tessera.worker_api import GenerateInput, WorkerClient, WorkerError, WorkerI
 
 HEALTH_TIMEOUT_S = 30.0
 READY_TIMEOUT_S = 2.0
+# ASGI scope entry of a batch line this gateway sends itself (batch_api.py): the job owner's
+# key, already checked when the job was created. No network client can set a scope entry.
+BATCH_KEY_SCOPE = "tessera.batch_key"
 access_log = logging.getLogger("tessera.gateway")
 
 
-def create_app(client: WorkerClient, model_name: str, background=(), admission: Admission | None = None) -> FastAPI:
-    """background: coroutine functions run while the app serves (e.g. following the registry)."""
+def create_app(client: WorkerClient, model_name: str, background=(), admission: Admission | None = None,
+               batch=None) -> FastAPI:
+    """background: coroutine functions run while the app serves (e.g. following the registry);
+    batch: the Files and Batch APIs (entrypoints/gateway/batch_api.py), or None."""
     admission = admission or Admission(AdmissionConfig())
+    if batch is not None:
+        background = (*background, lambda: batch.run(app))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -51,8 +59,10 @@ def create_app(client: WorkerClient, model_name: str, background=(), admission: 
     app = FastAPI(title="Tessera", version="0.1.0", lifespan=lifespan)
     metrics = GatewayMetrics(model_name)
     app.state.client, app.state.metrics, app.state.admission = client, metrics, admission
-    _add_middleware_and_errors(app, metrics, admission)
+    _add_middleware_and_errors(app, metrics, admission, batch.body_limits if batch is not None else {})
     _add_openai_routes(app, client, metrics, model_name, admission)
+    if batch is not None:
+        app.include_router(batch.router)
     _add_ops_routes(app, client, metrics, admission)
     return app
 
@@ -64,10 +74,11 @@ class RequestIdMiddleware:
     clients sending the same one cannot collide), counts /v1/ responses by status, writes one
     access-log line per request, refuses bodies larger than max_body_bytes with 413 (by
     Content-Length, or while a chunked body arrives), then checks the API key on /v1/ and
-    /health (401) before any route validates the body or looks up the model."""
+    /health (401) before any route validates the body or looks up the model. Paths in
+    body_limits (uploads) have their own limit, which their route enforces as it streams."""
 
-    def __init__(self, app, metrics: GatewayMetrics, admission: Admission) -> None:
-        self.app, self.metrics, self.admission = app, metrics, admission
+    def __init__(self, app, metrics: GatewayMetrics, admission: Admission, body_limits: dict[str, int]) -> None:
+        self.app, self.metrics, self.admission, self.body_limits = app, metrics, admission, body_limits
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -80,7 +91,7 @@ class RequestIdMiddleware:
         logs.request_id.set(client_rid)
         path = scope.get("path", "")
         counted, t0, status = path.startswith("/v1/"), time.monotonic(), [0]
-        limit = self.admission.config.max_body_bytes
+        limit = self.body_limits.get(path, self.admission.config.max_body_bytes)
 
         async def send_with_id(message) -> None:
             if message["type"] == "http.response.start":
@@ -93,7 +104,7 @@ class RequestIdMiddleware:
 
         try:
             length = headers.get(b"content-length")
-            if length is None and scope.get("method") in ("POST", "PUT", "PATCH"):
+            if length is None and scope.get("method") in ("POST", "PUT", "PATCH") and path not in self.body_limits:
                 receive, too_large = await _buffer_body(receive, limit)   # chunked: read it first
             else:
                 too_large = int(length or 0) > limit   # the server holds the body to its Content-Length
@@ -109,6 +120,9 @@ class RequestIdMiddleware:
 
     async def _authenticate(self, scope, headers: dict, path: str) -> APIError | None:
         if not (path.startswith("/v1/") or path == "/health"):
+            return None
+        if BATCH_KEY_SCOPE in scope:
+            scope["state"]["api_key"] = scope[BATCH_KEY_SCOPE]
             return None
         peer = (scope.get("client") or ("unknown",))[0]
         forwarded = headers.get(b"x-forwarded-for", b"").decode("latin-1") or None
@@ -141,8 +155,9 @@ async def _buffer_body(receive, limit: int):
     return replayed, size > limit
 
 
-def _add_middleware_and_errors(app: FastAPI, metrics: GatewayMetrics, admission: Admission) -> None:
-    app.add_middleware(RequestIdMiddleware, metrics=metrics, admission=admission)
+def _add_middleware_and_errors(app: FastAPI, metrics: GatewayMetrics, admission: Admission,
+                               body_limits: dict[str, int]) -> None:
+    app.add_middleware(RequestIdMiddleware, metrics=metrics, admission=admission, body_limits=body_limits)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError):

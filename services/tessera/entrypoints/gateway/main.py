@@ -9,6 +9,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from tessera.batch_jobs.config import BatchConfig
 from tessera.entrypoints.gateway.admission import Admission, AdmissionConfig, digest
 
 # Flags of AdmissionConfig (help from its fields' comments; a new field gets --its-name).
@@ -37,6 +38,7 @@ class GatewayConfig:
     stream_idle_timeout_s: float = field(default=300.0, metadata={
         "help": "a worker that sends nothing on a stream for this long is taken for failed "
                 "(queueing and prefill included; no limit on a stream's total length)"})
+    batch: BatchConfig = field(default_factory=BatchConfig)    # the Batch API's flags (--files-dir, ...)
 
 
 def with_keys(config: AdmissionConfig, api_keys: list[str] | None) -> AdmissionConfig:
@@ -52,6 +54,7 @@ def main(config: GatewayConfig, admission: AdmissionConfig) -> int:
     import uvicorn
 
     from tessera.entrypoints.gateway.app import create_app
+    from tessera.entrypoints.gateway.batch_api import BatchAPI
     from tessera.rpc.client import GrpcWorkerClient
     from tessera.worker_pool import WorkerPool
 
@@ -77,7 +80,8 @@ def main(config: GatewayConfig, admission: AdmissionConfig) -> int:
         client = connect(workers[0]) if len(workers) == 1 else WorkerPool(connect, workers)
         source = ", ".join(workers)
     app = create_app(client, config.served_model_name or model, background,
-                     Admission(admission, registry_url, config.registry_prefix))
+                     Admission(admission, registry_url, config.registry_prefix),
+                     BatchAPI.build(config.batch, registry_url, config.registry_prefix))
     print(f"tessera gateway on http://{config.host}:{config.port} -> {source} ({model})", flush=True)
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning",
                 timeout_graceful_shutdown=config.shutdown_grace_s)
