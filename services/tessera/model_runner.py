@@ -15,19 +15,24 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
 
+def allocate_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                layers: range | None = None) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """K and V of every layer in `layers` (default: all); None for a layer this process does not
+    hold (a pipeline stage). [kv_heads, slots, head_dim]: a gathered block list is then already
+    [kv_heads, B, L, D]."""
+    slots = num_blocks * block_size
+    held = range(cfg.num_layers) if layers is None else layers
+    return [(torch.zeros(cfg.num_kv_heads, slots, cfg.head_dim, dtype=dtype),
+             torch.zeros(cfg.num_kv_heads, slots, cfg.head_dim, dtype=dtype)) if l in held else None
+            for l in range(cfg.num_layers)]
+
+
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int) -> None:
-        cfg = model.config
-        dtype = model.embed_tokens.weight.dtype
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, layers: range | None = None) -> None:
+        """layers: the decoder layers this process holds KV for (default: all)."""
         self.model = model
         self.block_size = block_size
-        slots = num_blocks * block_size
-        # [kv_heads, slots, head_dim]: a gathered block list is then already [kv_heads, B, L, D]
-        self.kv_caches = [
-            (torch.zeros(cfg.num_kv_heads, slots, cfg.head_dim, dtype=dtype),
-             torch.zeros(cfg.num_kv_heads, slots, cfg.head_dim, dtype=dtype))
-            for _ in range(cfg.num_layers)
-        ]
+        self.kv_caches = allocate_kv(model.config, num_blocks, block_size, model.embed_tokens.weight.dtype, layers)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:

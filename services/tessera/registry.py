@@ -30,7 +30,7 @@ class RegistryUnavailable(RuntimeError):
 @dataclass(frozen=True)
 class WorkerRecord:
     worker_id: str
-    role: str            # worker | attention | draft (SERVING_ROLES take requests)
+    role: str            # worker | attention | draft | pipeline_shard (SERVING_ROLES take requests)
     model: str           # the served model id the gateway routes by
     address: str         # gRPC host:port
     capacity: int        # max running requests
@@ -39,7 +39,8 @@ class WorkerRecord:
 
 
 # Roles the gateway routes requests to; others register for discovery only (a draft worker
-# answers draft rounds from its target, never a chat request).
+# answers draft rounds from its target, a later pipeline stage ("pipeline_shard") micro-batches
+# from its stage 0, never a chat request).
 SERVING_ROLES = frozenset({"worker", "attention"})
 
 

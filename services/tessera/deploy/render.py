@@ -22,6 +22,9 @@ from tessera.deploy.topology import PODS, SERVICES, Process, Topology
 IMAGE = "tessera:cpu"
 REDIS_IMAGE = "redis:7"
 CACHE = "/root/.cache/tessera"     # random:ARCH models are created here once (a shared volume)
+FILES = f"{CACHE}/files"           # the gateway's Batch API files (its --files-dir default)
+REDIS_DATA = "/data"               # the redis image's working directory: its append-only file
+STORAGE = {"redis-data": "1Gi", "gateway-files": "10Gi"}   # Kubernetes volume claims (ReadWriteOnce)
 RESOURCES = {   # requests per role: enough for the default model on CPU
     "redis": {"cpu": "100m", "memory": "128Mi"},
     "worker": {"cpu": "1", "memory": "3Gi"},
@@ -29,6 +32,7 @@ RESOURCES = {   # requests per role: enough for the default model on CPU
     "target_worker": {"cpu": "1", "memory": "3Gi"},
     "attention_node": {"cpu": "1", "memory": "3Gi"},
     "expert_node": {"cpu": "1", "memory": "2Gi"},
+    "pipeline_shard": {"cpu": "1", "memory": "2Gi"},    # a stage holds its layers only
     "gateway": {"cpu": "500m", "memory": "1Gi"},
 }
 
@@ -49,7 +53,14 @@ def header(path: str, target: str) -> str:
 
 
 def _command(p: Process) -> list[str]:
-    return list(p.argv) if p.role == "redis" else ["tessera", *p.argv]
+    return _persistent(list(p.argv)) if p.role == "redis" else ["tessera", *p.argv]
+
+
+def _persistent(argv: list[str]) -> list[str]:
+    """Rendered Redis keeps an append-only file on a volume, so batch jobs and stored API keys
+    survive its restart (`tessera up`'s local Redis stays in memory)."""
+    i = argv.index("--appendonly")
+    return [*argv[:i], "--appendonly", "yes", *argv[i + 2:]]
 
 
 def _health_target(p: Process) -> str:
@@ -63,12 +74,13 @@ def compose(topology: Topology) -> dict:
     names = {role: [p.name for p in procs if p.role == role] for role in topology.roles}
     # A target worker does not wait for its draft worker: it decodes plainly until the draft answers.
     needs = {"worker": ["redis"], "draft_worker": ["redis"], "target_worker": ["redis"],
-             "attention_node": ["expert_node", "redis"], "gateway": ["worker", "target_worker", "attention_node", "redis"]}
+             "attention_node": ["expert_node", "redis"], "pipeline_shard": ["redis"],
+             "gateway": ["worker", "target_worker", "attention_node", "pipeline_shard", "redis"]}
     services = {}
     for p in procs:
         if p.role == "redis":
             ping = ["redis-cli", "-p", str(p.port), "--no-auth-warning", "-a", SERVICES.redis_password, "ping"]
-            services[p.name] = {"image": REDIS_IMAGE, "command": _command(p),
+            services[p.name] = {"image": REDIS_IMAGE, "command": _command(p), "volumes": [f"redis-data:{REDIS_DATA}"],
                                 "healthcheck": {"test": ["CMD", *ping],
                                                 "interval": "5s", "retries": 10}}
             continue
@@ -83,7 +95,9 @@ def compose(topology: Topology) -> dict:
         if p.role == "gateway":
             service["ports"] = [f"{p.port}:{p.port}"]
         services[p.name] = service
-    return {"name": f"tessera-{topology.name}", "services": services, "volumes": {"models": {}}}
+    # the gateways' batch files live in the shared `models` volume too (FILES is under CACHE)
+    volumes = {"models": {}, **({"redis-data": {}} if topology.registry else {})}
+    return {"name": f"tessera-{topology.name}", "services": services, "volumes": volumes}
 
 
 def kubernetes(topology: Topology) -> list[dict]:
@@ -98,7 +112,28 @@ def kubernetes(topology: Topology) -> list[dict]:
         for name, replicas, (p,) in groups:
             docs.append(_deployment(topology, name, replicas, p))
             docs.append(_service(topology, name, p))
+    if topology.registry:   # Redis's append-only file and the gateways' batch files outlive their pods
+        docs += [_claim(topology, name, size) for name, size in STORAGE.items()]
     return docs
+
+
+def _claim(topology: Topology, name: str, size: str) -> dict:
+    """ReadWriteOnce: what every cluster offers. More than one gateway replica on several nodes
+    needs a ReadWriteMany storage class for gateway-files (they share the directory)."""
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name, "labels": _labels(topology, name)},
+            "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": size}}}}
+
+
+def _volumes(topology: Topology, p: Process) -> tuple[list[dict], list[dict]]:
+    """(volumeMounts, volumes) of a pod: the model cache; Redis's data and the gateway's files
+    on their claims when the topology has a registry (else job state is in memory anyway)."""
+    if p.role == "redis":
+        return [{"name": "data", "mountPath": REDIS_DATA}], [{"name": "data", "persistentVolumeClaim": {"claimName": "redis-data"}}]
+    mounts, volumes = [{"name": "models", "mountPath": CACHE}], [{"name": "models", "emptyDir": {}}]
+    if p.role == "gateway" and topology.registry:
+        mounts.append({"name": "files", "mountPath": FILES})
+        volumes.append({"name": "files", "persistentVolumeClaim": {"claimName": "gateway-files"}})
+    return mounts, volumes
 
 
 def _labels(topology: Topology, name: str) -> dict:
@@ -137,13 +172,13 @@ def _deployment(topology: Topology, name: str, replicas: int, p: Process) -> dic
     if env:
         container["env"] = env
     pod = {"containers": [container]}
-    if p.role != "redis":
-        container["volumeMounts"] = [{"name": "models", "mountPath": CACHE}]
-        pod["volumes"] = [{"name": "models", "emptyDir": {}}]
+    container["volumeMounts"], pod["volumes"] = _volumes(topology, p)
     labels = lambda: _labels(topology, name)   # noqa: E731 (fresh dicts: no YAML anchors)
-    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "labels": labels()},
-            "spec": {"replicas": replicas, "selector": {"matchLabels": labels()},
-                     "template": {"metadata": {"labels": labels()}, "spec": pod}}}
+    # Redis: one pod at a time holds its volume
+    strategy = {"strategy": {"type": "Recreate"}} if p.role == "redis" else {}
+    spec = {"replicas": replicas, **strategy, "selector": {"matchLabels": labels()},
+            "template": {"metadata": {"labels": labels()}, "spec": pod}}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "labels": labels()}, "spec": spec}
 
 
 def _service(topology: Topology, name: str, p: Process) -> dict:

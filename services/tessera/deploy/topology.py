@@ -19,7 +19,11 @@ draft_worker role names the drafter (`speculative: self:8`) and may set the tree
 width, depth), which its target verifies; the target_worker may set disable_batch_size. A
 draft worker registers with role "draft", which the gateway never routes to. An expert_node role may say which MoE
 experts each replica holds, e.g. `experts: ["0,2,4,6", "1,3,5,7"]` (default: contiguous
-ranges). Replica i of a role listens on port + i (distinct ports, so every role can also run
+ranges). A pipeline_shard role is a pipeline (LLM-PQ): one replica per entry of its `stages`
+(`layers: START:END`, and `threads`, `memory_gib` per stage) or of its `plan` file's stages;
+`bits: 8` (16, 8, 4, 3) or `plan: FILE` (per-layer bits) sets every stage's precision. Stage 0
+is the worker the gateway calls; the later stages register with role "pipeline_shard", which
+it never routes to. Replica i of a role listens on port + i (distinct ports, so every role can also run
 side by side on one host). With a `redis` role, workers and attention nodes register
 themselves and the gateway discovers them; without it the gateway gets a static --worker
 list. Roles start in dependency order (ROLE_ORDER). Where processes run (one host, compose
@@ -35,8 +39,9 @@ import yaml
 
 from tessera.config import ConfigError
 
-ROLE_ORDER = ("redis", "worker", "draft_worker", "target_worker", "expert_node", "attention_node", "gateway")
-ENGINE_ROLES = ("worker", "target_worker", "attention_node")      # they run an engine that serves requests
+ROLE_ORDER = ("redis", "worker", "draft_worker", "target_worker", "expert_node", "attention_node", "pipeline_shard",
+              "gateway")
+ENGINE_ROLES = ("worker", "target_worker", "attention_node", "pipeline_shard")   # they run an engine that serves requests
 # Engine limits of the roles that run an engine, passed as the flags of the same name: a plan
 # (`tessera plan afd`) sets the batch B (max_num_seqs), a step's token budget and a KV cache
 # that holds B requests.
@@ -44,7 +49,10 @@ ENGINE_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "kv
 # The drafter and its tree (draft_worker role), as the flags of SpeculativeConfig.
 SPEC_OPTIONS = {"speculative": "--speculative", "tree_size": "--spec-tree-size", "width": "--spec-width",
                 "depth": "--spec-depth"}
+# A pipeline's stages and precision (pipeline_shard role); stage 0's micro-batching, as the flags of StageConfig.
+PIPELINE_OPTIONS = {"stages", "plan", "bits", "prefill_micro_batch", "stage_timeout_s"}
 ROLE_OPTIONS = {"replicas", "port", "threads", "micro_batches", "ffn_timeout_s", "experts", "disable_batch_size",
+                *PIPELINE_OPTIONS,
                 *ENGINE_OPTIONS, *SPEC_OPTIONS}
 HOST = "127.0.0.1"
 
@@ -145,6 +153,15 @@ class Topology:
                                   "only it takes the tree options")
             if "disable_batch_size" in spec and name != "target_worker":
                 raise ConfigError(f"{path}: disable_batch_size applies to target workers only")
+            if (name == "pipeline_shard") != bool(set(spec) & {"stages", "plan"}) or \
+                    (name != "pipeline_shard" and set(spec) & PIPELINE_OPTIONS):
+                raise ConfigError(f"{path}: a pipeline_shard role lists its stages (or a plan); only it takes "
+                                  f"{sorted(PIPELINE_OPTIONS)}")
+            if name == "pipeline_shard":
+                spec["stages"] = _pipeline_stages(path, spec)
+                if replicas != len(spec["stages"]) and "replicas" in data["roles"][name]:
+                    raise ConfigError(f"{path}: pipeline_shard has one replica per stage")
+                replicas = len(spec["stages"])
             roles[name] = Role(name, replicas, int(port), spec)
         _check_pairs(path, roles)
         return cls(data.get("name", pathlib.Path(path).stem), str(data.get("model", "smollm2")),
@@ -211,6 +228,8 @@ class Topology:
             return ["expert-node", *model, *common, *threads, "--name", f"expert-{i}", "--shard-index", str(i),
                     "--shard-count", str(role.replicas), *experts, "--transport", self.transport,
                     *place.transport_host(role, i)]
+        if role.name == "pipeline_shard":
+            return self._pipeline_argv(role, i, place, [*model, *common, *limits], register)
         if role.name == "attention_node":
             experts = self.roles["expert_node"]
             argv = ["attention-node", *model, *common, *threads, *limits, "--name", f"attention-{i}",
@@ -223,17 +242,66 @@ class Topology:
         argv = ["gateway", *common]
         if self.registry:
             return argv + ["--registry", self.redis_url(place), "--registry-prefix", self.registry_prefix]
+        if "pipeline_shard" in self.roles:   # only stage 0 serves requests
+            return argv + ["--worker", place.address(self.roles["pipeline_shard"], 0)]
         backends = self.roles.get("attention_node") or self.roles.get("target_worker") or self.roles["worker"]
         return argv + [a for j in range(backends.replicas) for a in ("--worker", place.address(backends, j))]
+
+    def _pipeline_argv(self, role: Role, i: int, place: Placement, head: list[str], register: list[str]) -> list[str]:
+        """Stage i: its layers, precision, threads and memory budget; stage 0 (the worker) also
+        its micro-batching and the later stages' addresses, in pipeline order."""
+        o, stage = role.options, role.options["stages"][i]
+        argv = ["pipeline-shard", *head, "--stage", str(i), "--layers", stage["layers"], "--transport", self.transport,
+                *place.transport_host(role, i)]   # endpoint name: pipeline-shard-i, the stage's default
+        if "plan" in o or o.get("bits", 16) != 16:
+            argv += ["--quantization", str(o["plan"]) if "plan" in o else f"int{o['bits']}"]
+        for key, flag in (("threads", "--threads"), ("memory_gib", "--memory-gib")):
+            if key in stage or key in o:
+                argv += [flag, str(stage.get(key, o.get(key)))]
+        if i == 0:
+            for key in ("micro_batches", "prefill_micro_batch", "stage_timeout_s"):
+                if key in o:
+                    argv += [f"--{key.replace('_', '-')}", str(o[key])]
+            argv += [a for j in range(1, role.replicas) for a in ("--shard", place.address(role, j))]
+        return argv + register
 
 
 def _check_pairs(path, roles: dict) -> None:
     """Roles that only work together are there together."""
     if "gateway" not in roles or not (set(ENGINE_ROLES) & set(roles)):
-        raise ConfigError(f"{path}: a topology needs a gateway and workers, target workers or attention nodes")
+        raise ConfigError(f"{path}: a topology needs a gateway and workers, target workers, attention nodes or a "
+                          "pipeline")
+    if "pipeline_shard" in roles and set(roles) & {"worker", "target_worker", "attention_node"}:
+        raise ConfigError(f"{path}: a pipeline is the topology's only engine (the gateway calls its stage 0)")
     if ("attention_node" in roles) != ("expert_node" in roles):
         raise ConfigError(f"{path}: attention nodes and expert nodes come together")
     drafts, targets = roles.get("draft_worker"), roles.get("target_worker")
     if (drafts is None) != (targets is None) or (drafts and drafts.replicas != targets.replicas):
         raise ConfigError(f"{path}: draft workers and target workers come together, one draft per target "
                           "(equal replicas)")
+
+
+def _pipeline_stages(path, spec: dict) -> list[dict]:
+    """The stages of a pipeline_shard role: each {layers, threads?, memory_gib?}, layers from the
+    stage itself or from the plan file; contiguous from layer 0 (the last layer is checked by
+    stage 0 against the model when it links the stages)."""
+    from tessera.pipeline.stages import check_contiguous, layer_range, plan_stages
+    stages = spec.get("stages")
+    if stages is not None and (not isinstance(stages, list) or not all(isinstance(s, dict) for s in stages)):
+        raise ConfigError(f"{path}: stages is a list with one mapping per stage")
+    if "plan" in spec and "bits" in spec:
+        raise ConfigError(f"{path}: a pipeline takes its bits from the plan or from 'bits', not both")
+    if spec.get("bits", 16) not in (16, 8, 4, 3):
+        raise ConfigError(f"{path}: bits is 16, 8, 4 or 3 (per-layer bits come from a plan file)")
+    ranges = plan_stages(spec["plan"]) if "plan" in spec and not any("layers" in s for s in stages or []) else None
+    stages = [dict(s) for s in stages] if stages is not None else [{} for _ in ranges]
+    if ranges is not None:
+        if len(ranges) != len(stages):
+            raise ConfigError(f"{path}: {len(stages)} stages, but the plan has {len(ranges)}")
+        for s, r in zip(stages, ranges):
+            s["layers"] = r
+    for s in stages:
+        if set(s) - {"layers", "threads", "memory_gib"} or "layers" not in s:
+            raise ConfigError(f"{path}: a stage has layers (START:END) and may have threads and memory_gib")
+    check_contiguous([layer_range(s["layers"]) for s in stages])
+    return stages

@@ -19,7 +19,7 @@ from tessera.deploy.topology import LOCAL, Topology
 
 __all__ = ["stop", "tessera_argv", "up"]
 DRAINING_ROLES = ("worker", "draft_worker", "target_worker", "attention_node", "expert_node",
-                  "gateway")   # they take --shutdown-grace-s
+                  "pipeline_shard", "gateway")   # they take --shutdown-grace-s
 HELPER_ROLES = ("draft_worker",)   # not essential: its target decodes plainly while it is down
 
 

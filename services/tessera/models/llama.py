@@ -145,6 +145,24 @@ class CausalLM(nn.Module):
             layer.ffn.drop_ends()
             layer.ffn.shard(experts=experts)
 
+    def keep_layers(self, layers: range) -> None:
+        """What a pipeline stage holds: decoder layers `layers` (a contiguous range), the
+        embedding on the first stage, the final norm and LM head on the last (which, with tied
+        embeddings, keeps the embedding: it is the head's weight). Called before loading, so
+        the other tensors are never read. Indices stay the whole model's: layers[l] is layer
+        l, and a layer not held is left empty."""
+        n = len(self.layers)
+        if layers.step != 1 or not 0 <= layers.start < layers.stop <= n:
+            raise ValueError(f"layers {layers.start}:{layers.stop} is not a range within the model's {n} layers")
+        first, last = layers.start == 0, layers.stop == n
+        for l, layer in enumerate(self.layers):
+            if l not in layers:
+                layer.attn = layer.ffn = None
+        if not last:
+            self.norm = self.lm_head = None
+        if not first and not (last and self.config.tie_word_embeddings):
+            self.embed_tokens = None
+
     def weight_rules(self) -> list[Rule]:
         """How HF tensor names map onto our parameters (see match_rules)."""
         return _llama_rules(self.config) + _ffn_rules(self.config)

@@ -7,8 +7,9 @@ import grpc
 from tessera.config import SamplingParams
 from tessera.disagg.control import ConnectReply, ConnectRequest, ExpertInfo, LinkRefused
 from tessera.draft_api import DraftInfo, DraftRound, RoundRefused
+from tessera.pipeline.control import StageInfo, StageLink, StageRefused, StageReply
 from tessera.request import Resume
-from tessera.rpc.v1 import common_pb2, draft_pb2, expert_pb2, worker_pb2
+from tessera.rpc.v1 import common_pb2, draft_pb2, expert_pb2, pipeline_pb2, worker_pb2
 from tessera.spec.tree import Draft
 from tessera.worker_api import (ContextLengthExceeded, GenerateChunk, GenerateInput, InternalError,
                                 InvalidRequest, Saturated, TokenLogprobInfo, TopToken, Unavailable,
@@ -201,3 +202,47 @@ def draft_info_from_proto(m: draft_pb2.DraftInfoReply) -> DraftInfo:
 
 def refusal_to_status(e: RoundRefused) -> tuple[grpc.StatusCode, str]:
     return (grpc.StatusCode.FAILED_PRECONDITION if e.out_of_sync else grpc.StatusCode.INVALID_ARGUMENT), str(e)
+
+
+# The pipeline control plane (pipeline.proto) <-> tessera.pipeline.control.
+def stage_link_to_proto(k: StageLink) -> pipeline_pb2.StageConnectRequest:
+    return pipeline_pb2.StageConnectRequest(
+        pipeline=k.pipeline, transport=k.transport, model_id=k.model_id, num_layers=k.num_layers,
+        stage_index=k.stage_index, stage_count=k.stage_count, layer_start=k.layers[0], layer_end=k.layers[1],
+        bits=k.bits, dtype=k.dtype, num_blocks=k.num_blocks, block_size=k.block_size, upstream=k.upstream,
+        downstream=k.downstream, peer_metadata=k.peer_metadata)
+
+
+def stage_link_from_proto(m: pipeline_pb2.StageConnectRequest) -> StageLink:
+    return StageLink(m.pipeline, m.transport, m.model_id, m.num_layers, m.stage_index, m.stage_count,
+                     (m.layer_start, m.layer_end), tuple(m.bits), m.dtype, m.num_blocks, m.block_size, m.upstream,
+                     m.downstream, dict(m.peer_metadata))
+
+
+def stage_reply_to_proto(r: StageReply) -> pipeline_pb2.StageConnectResponse:
+    return pipeline_pb2.StageConnectResponse(stage=r.stage, metadata=r.metadata)
+
+
+def stage_reply_from_proto(m: pipeline_pb2.StageConnectResponse) -> StageReply:
+    return StageReply(m.stage, dict(m.metadata))
+
+
+def stage_info_to_proto(i: StageInfo) -> pipeline_pb2.StageInfoResponse:
+    return pipeline_pb2.StageInfoResponse(
+        stage=i.stage, model_id=i.model_id, stage_index=i.stage_index, layer_start=i.layers[0],
+        layer_end=i.layers[1], bits=i.bits, dtype=i.dtype, transport=i.transport, num_blocks=i.num_blocks,
+        block_size=i.block_size, weight_bytes=i.weight_bytes, kv_bytes=i.kv_bytes,
+        memory_budget_bytes=i.memory_budget_bytes, pipeline=i.pipeline, micro_batches=i.micro_batches,
+        tokens=i.tokens, rejected=i.rejected, compute_s=i.compute_s, uptime_s=i.uptime_s)
+
+
+def stage_info_from_proto(m: pipeline_pb2.StageInfoResponse) -> StageInfo:
+    return StageInfo(m.stage, m.model_id, m.stage_index, (m.layer_start, m.layer_end), tuple(m.bits), m.dtype,
+                     m.transport, m.num_blocks, m.block_size, m.weight_bytes, m.kv_bytes, m.memory_budget_bytes,
+                     m.pipeline, m.micro_batches, m.tokens, m.rejected, m.compute_s, m.uptime_s)
+
+
+def stage_error_from_status(code: grpc.StatusCode, details: str | None) -> Exception:
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return StageRefused(details or "stage refused the link")
+    return Unavailable(f"pipeline stage unavailable: {details or code.name}")
