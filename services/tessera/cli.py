@@ -353,6 +353,12 @@ COMMANDS = {
                      "against one-layer perplexity increases)", *_module_command("tessera.pipeline.indicator_cli")),
     ("plan", "afd"): ("MegaScale-Infer plan search (Algorithm 1); writes a topology file",
                       *_module_command("tessera.disagg.plan_cli")),
+    ("profile-pq",): ("LLM-PQ: time one decoder layer per bit-width here (prefill and decode regressions, "
+                      "held-out error); the JSON devices.yaml names as `profile:`", *_module_command("tessera.pipeline.profile")),
+    ("bench", "pq"): ("LLM-PQ's plan vs uniform, PipeEdge and adabits, each run end to end here (tessera up + "
+                      "run-batch) with predicted and measured tok/s and perplexity", *_module_command("tessera.bench.pq_bench")),
+    ("plan", "pq"): ("LLM-PQ: device order, micro-batches, layer split and bits per layer (ILP), beside "
+                     "PipeEdge, uniform and adabits; writes a plan file", *_module_command("tessera.pipeline.plan_cli")),
 }
 GROUP_HELP = {"keys": "API keys kept in Redis", "model": "model files", "bench": "benchmarks", "plan": "planners"}
 

@@ -1,0 +1,329 @@
+"""LLM-PQ's cost models (papers.md §4.3): what a decoder layer costs in bytes and seconds.
+
+- memory: one layer's weights at a bit-width (scales included, from the model's real linear
+  shapes), its KV cache for the whole global batch at full length s + n, per-stage temporaries
+  and stage 0's extras (embedding, LM head, logits);
+- latency, per device type and bit-width: least-squares regressions fitted on profiled layer
+  times (prefill features b, s, b·s, b·s², 1; decode b·(s+i), b, i, 1), evaluated only inside
+  the profiled box (papers.md §4.9), or a roofline of a published GPU (simulated);
+- communication per device pair: t = a + bytes / bandwidth.
+Plain Python: the planner never imports torch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """A GPU type's published numbers (devices.py loads them from gpu_specs.yaml): the roofline's input."""
+    name: str
+    memory_gib: float
+    bandwidth_gbs: float
+    fp16_tflops: float
+    int8_tops: float | None
+    link_gbs: float
+    source: str
+
+
+DENSE_BYTES = 2          # 16-bit weights, activations and KV (fp16 / bf16)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a decoder-only model the cost models need. family: 'llama' (separate
+    q/k/v with GQA, SwiGLU gate/up/down, RMSNorm, no biases), 'opt' or 'bloom' (MHA, two-matrix
+    FFN, LayerNorm, biases)."""
+    name: str
+    family: str
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    positions: int = 0       # learned position embeddings (OPT); 0 with RoPE / ALiBi
+    tied: bool = True        # LM head shares the embedding
+
+    def __post_init__(self) -> None:
+        if self.family not in ("llama", "opt", "bloom"):
+            raise ValueError(f"unknown model family {self.family!r}")
+        if self.heads % self.kv_heads:
+            raise ValueError("heads must be a multiple of kv_heads")
+
+    def linears(self) -> tuple[tuple[str, int, int], ...]:
+        """(name, fan_in, fan_out) of every linear of one decoder layer."""
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        attn = (("q", h, q), ("k", h, kv), ("v", h, kv), ("o", q, h))
+        if self.family == "llama":
+            return attn + (("gate", h, i), ("up", h, i), ("down", i, h))
+        return attn + (("fc1", h, i), ("fc2", i, h))
+
+    def small_params(self) -> int:
+        """Norm weights and biases of one layer (kept 16-bit)."""
+        if self.family == "llama":
+            return 2 * self.hidden
+        return 4 * self.hidden + sum(out for _, _, out in self.linears())
+
+    def layer_params(self) -> int:
+        return sum(a * b for _, a, b in self.linears()) + self.small_params()
+
+
+# Published dims (Hugging Face config.json of facebook/opt-13b, -30b, -66b and bigscience/bloom).
+SHAPES = {s.name: s for s in (
+    ModelShape("opt-13b", "opt", 40, 5120, 20480, 40, 40, 128, 50272, positions=2050),
+    ModelShape("opt-30b", "opt", 48, 7168, 28672, 56, 56, 128, 50272, positions=2050),
+    ModelShape("opt-66b", "opt", 64, 9216, 36864, 72, 72, 128, 50272, positions=2050),
+    ModelShape("bloom-176b", "bloom", 70, 14336, 57344, 112, 112, 128, 250880),
+)}
+
+
+def shape_from_config(name: str, cfg) -> ModelShape:
+    """A Llama-family shape from tessera.models.model_config.ModelConfig."""
+    if cfg.arch != "llama":
+        raise ValueError(f"{name}: the LLM-PQ planner models dense Llama-family layers, not {cfg.arch}")
+    return ModelShape(name, "llama", cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
+                      cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, 0, cfg.tie_word_embeddings)
+
+
+def linear_bytes(fan_in: int, fan_out: int, bits: int, group_size: int = 32, int3_as_int4: bool = False) -> float:
+    """A linear's weight at `bits`, scales included. Mirrors layers/quant.linear_weight_bytes:
+    int8 one 16-bit scale per output row; int4/int3 a 16-bit (scale, offset) per group of
+    group_size inputs. Our CPU kernels store int3 codes in the int4 layout (int3_as_int4)."""
+    n = fan_in * fan_out
+    if bits == 16:
+        return DENSE_BYTES * n
+    if bits == 8:
+        return n + 2 * fan_out
+    stored = 4 if (bits == 3 and int3_as_int4) else bits
+    return n * stored / 8 + 4 * fan_out * math.ceil(fan_in / group_size)
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Bytes per layer and per stage (FlexGen-style, papers.md §4.3)."""
+    shape: ModelShape
+    group_size: int = 32
+    int3_as_int4: bool = False
+
+    def weight_bytes(self, bits: int) -> float:
+        w = sum(linear_bytes(a, b, bits, self.group_size, self.int3_as_int4) for _, a, b in self.shape.linears())
+        return w + DENSE_BYTES * self.shape.small_params()
+
+    def kv_bytes(self, seqs: int, tokens: int) -> float:
+        """One layer's K and V for `seqs` sequences of `tokens` (16-bit, whatever the weights)."""
+        return seqs * 2 * self.shape.kv_heads * self.shape.head_dim * tokens * DENSE_BYTES
+
+    def layer_bytes(self, bits: int, batch: int, full_len: int) -> float:
+        """A layer as a stage holds it: weights plus KV for every sequence of the global batch
+        (all decode micro-batches pass every stage) at full length s + n."""
+        return self.weight_bytes(bits) + self.kv_bytes(batch, full_len)
+
+    def temp_bytes(self, xi: int, prompt_len: int, decode_batch: int, context: int) -> float:
+        """The larger of one prefill micro-batch's and one decode micro-batch's live activations
+        inside a layer (hidden states, q/k/v, FFN intermediates, attention scores)."""
+        sh = self.shape
+        per_token = 2 * sh.hidden + (sh.heads + 2 * sh.kv_heads) * sh.head_dim + 3 * sh.intermediate
+        prefill = xi * prompt_len * per_token + xi * sh.heads * prompt_len ** 2
+        decode = decode_batch * per_token + decode_batch * sh.heads * context
+        return DENSE_BYTES * max(prefill, decode)
+
+    def extras_bytes(self, xi: int, decode_batch: int) -> float:
+        """Stage 0's pre/post-processing: embeddings, LM head (when untied), final norm, and the
+        float32 logits of the last token of each sequence of a micro-batch."""
+        sh = self.shape
+        params = (sh.vocab + sh.positions) * sh.hidden + (0 if sh.tied else sh.vocab * sh.hidden) + 2 * sh.hidden
+        return DENSE_BYTES * params + 4 * max(xi, decode_batch) * sh.vocab
+
+
+# ----------------------------------------------------------------------------------------------
+# Latency: regressions on profiled points
+
+
+def _prefill_features(b: float, s: float, i: float) -> tuple[float, ...]:
+    return (b, s, b * s, b * s * s, 1.0)
+
+
+def _decode_features(b: float, s: float, i: float) -> tuple[float, ...]:
+    return (b * (s + i), b, i, 1.0)
+
+
+def _prepost_prefill_features(b: float, s: float, i: float) -> tuple[float, ...]:
+    return (b, b * s, 1.0)
+
+
+def _prepost_decode_features(b: float, s: float, i: float) -> tuple[float, ...]:
+    return (b, 1.0)
+
+
+FEATURES: dict[str, Callable[[float, float, float], tuple[float, ...]]] = {
+    "prefill": _prefill_features, "decode": _decode_features,
+    "prepost_prefill": _prepost_prefill_features, "prepost_decode": _prepost_decode_features}
+
+
+@dataclass(frozen=True)
+class Regression:
+    """A latency fit: seconds = coef · features(b, s, i). Inputs are clamped into the profiled
+    box [lo, hi] (per variable) and the result never drops below the fastest measured time, so a
+    query outside the profile neither extrapolates a quadratic nor goes negative (§4.9)."""
+    phase: str
+    coef: tuple[float, ...]
+    lo: tuple[float, float, float]
+    hi: tuple[float, float, float]
+    floor: float
+
+    @classmethod
+    def fit(cls, phase: str, points: Sequence[tuple[float, float, float, float]]) -> "Regression":
+        """Least squares on (b, s, i, seconds), relative error weighted (1 / seconds): a stage
+        sums layers of one size, so every point's error counts in percent, as it is reported."""
+        feats = FEATURES[phase]
+        x = np.array([feats(b, s, i) for b, s, i, _ in points], dtype=float)
+        y = np.array([t for *_, t in points], dtype=float)
+        if len(points) < x.shape[1] or (y <= 0).any():
+            raise ValueError(f"{phase}: need at least {x.shape[1]} points with positive times")
+        scale = np.abs(x).max(axis=0)
+        scale[scale == 0] = 1.0
+        w = 1.0 / y
+        coef, *_ = np.linalg.lstsq(x / scale * w[:, None], y * w, rcond=None)
+        box = np.array([p[:3] for p in points], dtype=float)
+        return cls(phase, tuple(float(c) for c in coef / scale), tuple(box.min(axis=0)), tuple(box.max(axis=0)),
+                   float(y.min()))
+
+    def covers(self, b: float, s: float, i: float = 0.0) -> bool:
+        return all(lo <= v <= hi for v, lo, hi in zip((b, s, i), self.lo, self.hi))
+
+    def predict(self, b: float, s: float, i: float = 0.0) -> float:
+        b, s, i = (min(max(v, lo), hi) for v, lo, hi in zip((b, s, i), self.lo, self.hi))
+        return max(sum(c * f for c, f in zip(self.coef, FEATURES[self.phase](b, s, i))), self.floor)
+
+    def to_dict(self) -> dict:
+        return {"phase": self.phase, "coef": list(self.coef), "lo": list(self.lo), "hi": list(self.hi),
+                "floor": self.floor}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Regression":
+        return cls(d["phase"], tuple(d["coef"]), tuple(d["lo"]), tuple(d["hi"]), d["floor"])
+
+
+@dataclass(frozen=True)
+class ProfiledLatency:
+    """A device type's latency from `tessera profile pq`: per bit-width, one decoder layer's
+    prefill and decode regressions; stage 0's pre/post-processing when profiled."""
+    fits: dict[int, tuple[Regression, Regression]]
+    prepost: tuple[Regression, Regression] | None = None
+    label: str = "profiled"
+
+    @property
+    def bits(self) -> tuple[int, ...]:
+        return tuple(sorted(self.fits))
+
+    @classmethod
+    def from_profile(cls, data: dict, source: str = "") -> "ProfiledLatency":
+        fits = {int(b): (Regression.from_dict(f["prefill"]), Regression.from_dict(f["decode"]))
+                for b, f in data["fits"].items()}
+        pp = data.get("prepost")
+        prepost = (Regression.from_dict(pp["prefill"]), Regression.from_dict(pp["decode"])) if pp else None
+        return cls(fits, prepost, f"profiled ({source})" if source else "profiled")
+
+    def prefill(self, bits: int, b: int, s: int) -> float:
+        return self.fits[bits][0].predict(b, s)
+
+    def decode(self, bits: int, b: int, s: int, i: int) -> float:
+        return self.fits[bits][1].predict(b, s, i)
+
+    def prepost_prefill(self, b: int, s: int) -> float:
+        return self.prepost[0].predict(b, s) if self.prepost else 0.0
+
+    def prepost_decode(self, b: int) -> float:
+        return self.prepost[1].predict(b, 1) if self.prepost else 0.0
+
+    def outside(self, xi: int, s: int, b: int, i: int) -> list[str]:
+        """The planning queries that fall outside the profiled box (their times are clamped)."""
+        pre, dec = next(iter(self.fits.values()))
+        out = [] if pre.covers(xi, s) else [f"prefill (b={xi}, s={s})"]
+        return out + ([] if dec.covers(b, s, i) else [f"decode (b={b}, s={s}, i={i})"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Latency: roofline of a published GPU (simulated)
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """One layer's time on a GPU = max(bytes / bandwidth, flops / peak), from the datasheet.
+    Weight-only 3/4-bit layers compute at the FP16 rate (dequantized), 8-bit at the INT8
+    tensor-core rate where the GPU has one. Simulated: no GPU was measured."""
+    spec: GpuSpec
+    memory: MemoryModel
+    label: str = "simulated (roofline)"
+    bits: tuple[int, ...] = (3, 4, 8, 16)
+
+    def _peak(self, bits: int) -> float:
+        tops = self.spec.int8_tops if bits == 8 and self.spec.int8_tops else self.spec.fp16_tflops
+        return tops * 1e12
+
+    def _time(self, bits: int, tokens: int, attn_flops: float, attn_bytes: float) -> float:
+        sh = self.memory.shape
+        flops = 2 * tokens * sum(a * b for _, a, b in sh.linears()) + attn_flops
+        act = DENSE_BYTES * tokens * sum(a + b for _, a, b in sh.linears())
+        nbytes = self.memory.weight_bytes(bits) + act + attn_bytes
+        return max(nbytes / (self.spec.bandwidth_gbs * 1e9), flops / self._peak(bits))
+
+    def prefill(self, bits: int, b: int, s: int) -> float:
+        sh = self.memory.shape
+        d = sh.heads * sh.head_dim
+        scores = 2 * DENSE_BYTES * b * sh.heads * s * s           # written, then read by softmax @ V
+        return self._time(bits, b * s, 4 * b * s * s * d, scores + self.memory.kv_bytes(b, s))
+
+    def decode(self, bits: int, b: int, s: int, i: int) -> float:
+        sh = self.memory.shape
+        ctx = s + i + 1
+        return self._time(bits, b, 4 * b * ctx * sh.heads * sh.head_dim, self.memory.kv_bytes(b, ctx))
+
+    def _head(self, tokens: int) -> float:
+        sh = self.memory.shape
+        nbytes = DENSE_BYTES * sh.vocab * sh.hidden + 4 * tokens * sh.vocab
+        return max(nbytes / (self.spec.bandwidth_gbs * 1e9), 2 * tokens * sh.vocab * sh.hidden / self._peak(16))
+
+    def prepost_prefill(self, b: int, s: int) -> float:
+        return self._head(b)
+
+    def prepost_decode(self, b: int) -> float:
+        return self._head(b)
+
+    def outside(self, xi: int, s: int, b: int, i: int) -> list[str]:
+        return []
+
+
+# ----------------------------------------------------------------------------------------------
+# Communication
+
+
+@dataclass(frozen=True)
+class Link:
+    """Transfer time between two devices: latency_s + bytes / bandwidth."""
+    latency_s: float = 0.0
+    bandwidth_gbs: float = math.inf
+
+    def __post_init__(self) -> None:
+        if self.latency_s < 0 or self.bandwidth_gbs <= 0:
+            raise ValueError("a link needs latency >= 0 and bandwidth > 0")
+
+    def time(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / (self.bandwidth_gbs * 1e9)
+
+    @classmethod
+    def fit(cls, points: Sequence[tuple[float, float]]) -> "Link":
+        """Least squares of seconds on bytes over measured (bytes, seconds); a >= 0."""
+        x = np.array([[p[0], 1.0] for p in points], dtype=float)
+        y = np.array([p[1] for p in points], dtype=float)
+        if len(points) < 2 or np.ptp(x[:, 0]) == 0:
+            raise ValueError("a link fit needs points at two or more payload sizes")
+        (slope, a), *_ = np.linalg.lstsq(x, y, rcond=None)
+        if slope <= 0:
+            raise ValueError("link points do not grow with the payload")
+        return cls(max(float(a), 0.0), 1.0 / (float(slope) * 1e9))

@@ -1,0 +1,164 @@
+"""`tessera profile pq`: the latency profile of one device type (this CPU at --threads) for the
+LLM-PQ planner (papers.md §4.3): one real decoder layer of the model, timed at each bit-width
+for prefill (b sequences of s tokens, no past) and decode (b sequences, one token each after
+s + i tokens of context), fitted with costmodel.Regression; plus stage 0's pre/post-processing
+(embedding, final norm, LM head). Held-out (b, s, i) points, never fitted, report the fits'
+error (§4.10 invariant 4). The planner reads the JSON through `profile: FILE` in devices.yaml.
+
+Layers 0, 1, 2 are quantized to the first, second, third bit-width (layers share one shape, so
+one layer each stands for all), and each is run alone through the shared layer driver on a
+ForwardBatch built by batch.build_forward_batch, as the engine builds them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import statistics
+import time
+
+PREFILL = [(b, s) for b in (1, 2, 4, 8, 16) for s in (32, 64, 128)]
+DECODE = [(b, s, i) for b in (1, 4, 16, 32) for s, i in ((32, 0), (32, 96), (128, 0), (128, 96))]
+HELD_PREFILL = [(3, 48), (6, 96), (12, 80)]
+HELD_DECODE = [(2, 64, 32), (8, 96, 48), (24, 48, 64)]
+PREPOST_PREFILL = [(b, s) for b in (1, 4, 16) for s in (32, 128)]
+PREPOST_DECODE = [1, 4, 16, 32]
+BLOCK = 16
+
+
+def add_args(p) -> None:
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--out", default="pq-profile.json")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (the device type measured)")
+    p.add_argument("--bits", default="16,8,4", help="bit-widths to profile (16: unquantized)")
+    p.add_argument("--group-size", type=int, default=32)
+    p.add_argument("--reps", type=int, default=7, help="timed runs per prefill point (median); decode runs 3x")
+
+
+def step_batch(b: int, s: int, i: int, prefill: bool):
+    """(ForwardBatch, KV slots it needs): b requests of s prompt tokens (prefill), or of one
+    token after s + i tokens of context (decode), each with its own blocks."""
+    from tessera.batch import build_forward_batch
+    from tessera.scheduler import ScheduledRequest, StepPlan
+    blocks = -(-(s + i + 1) // BLOCK)
+    reqs = []
+    for r in range(b):
+        table = tuple(range(r * blocks, (r + 1) * blocks))
+        tokens, start = ((1,) * s, 0) if prefill else ((1,), s + i)
+        reqs.append(ScheduledRequest(str(r), tokens, start, table, True))
+    return build_forward_batch(StepPlan(tuple(reqs)), BLOCK), b * blocks * BLOCK
+
+
+def time_layer(model, layer: int, b: int, s: int, i: int, prefill: bool, reps: int) -> float:
+    """Median seconds of decoder layer `layer` alone on that batch (after one warm-up run)."""
+    import torch
+
+    from tessera.models.driver import run_layers
+    cfg, dtype = model.config, model.embed_tokens.weight.dtype
+    batch, slots = step_batch(b, s, i, prefill)
+    kv: list = [None] * cfg.num_layers      # run_layers reads only kv[layer]
+    kv[layer] = tuple(torch.zeros(cfg.num_kv_heads, slots, cfg.head_dim, dtype=dtype) for _ in range(2))
+    x = torch.randn(batch.num_tokens, cfg.hidden_size, dtype=dtype)
+    samples = []
+    with torch.inference_mode():
+        for r in range(reps + 1):
+            t0 = time.perf_counter()
+            run_layers(model, x, batch, kv, range(layer, layer + 1))
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples[1:])
+
+
+def time_prepost(model, b: int, s: int, reps: int) -> float:
+    """Median seconds of stage 0's ends for b sequences of s new tokens: the embedding of b·s
+    tokens, then the final norm and LM head of the b last ones."""
+    import torch
+    ids = torch.ones(b * s, dtype=torch.long)
+    last = torch.arange(s - 1, b * s, s)
+    samples = []
+    with torch.inference_mode():
+        for r in range(reps + 1):
+            t0 = time.perf_counter()
+            x = model.embed_tokens(ids)
+            model.compute_logits(model.norm(x[last]))
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples[1:])
+
+
+def measure(model, bits: list[int], reps: int, log=print) -> dict:
+    """Every profiled and held-out point: {phase: [{bits, b, s, i, seconds}]}."""
+    out: dict[str, list[dict]] = {"prefill": [], "decode": [], "held_prefill": [], "held_decode": []}
+    for layer, bw in enumerate(bits):
+        for phase, sizes in (("prefill", PREFILL), ("held_prefill", HELD_PREFILL)):
+            for b, s in sizes:
+                t = time_layer(model, layer, b, s, 0, True, reps)
+                out[phase].append({"bits": bw, "b": b, "s": s, "i": 0, "seconds": t})
+        for phase, points in (("decode", DECODE), ("held_decode", HELD_DECODE)):
+            for b, s, i in points:
+                t = time_layer(model, layer, b, s, i, False, 3 * reps)
+                out[phase].append({"bits": bw, "b": b, "s": s, "i": i, "seconds": t})
+        log(f"bits {bw}: {len(PREFILL) + len(HELD_PREFILL)} prefill and {len(DECODE) + len(HELD_DECODE)} "
+            f"decode points timed")
+    out["prepost_prefill"] = [{"b": b, "s": s, "i": 0, "seconds": time_prepost(model, b, s, reps)}
+                              for b, s in PREPOST_PREFILL]
+    out["prepost_decode"] = [{"b": b, "s": 1, "i": 0, "seconds": time_prepost(model, b, 1, 3 * reps)}
+                             for b in PREPOST_DECODE]
+    return out
+
+
+def fit_points(points: dict, bits: list[int]) -> dict:
+    """The regressions of every bit-width, the pre/post fits, and the held-out errors."""
+    from tessera.pipeline.costmodel import Regression
+
+    def pts(rows, bw=None):
+        return [(r["b"], r["s"], r["i"], r["seconds"]) for r in rows if bw is None or r["bits"] == bw]
+    fits = {str(bw): {ph: Regression.fit(ph, pts(points[ph], bw)).to_dict() for ph in ("prefill", "decode")}
+            for bw in bits}
+    prepost = {ph: Regression.fit(f"prepost_{ph}", pts(points[f"prepost_{ph}"])).to_dict()
+               for ph in ("prefill", "decode")}
+    held = []
+    for ph in ("prefill", "decode"):
+        for r in points[f"held_{ph}"]:
+            pred = Regression.from_dict(fits[str(r["bits"])][ph]).predict(r["b"], r["s"], r["i"])
+            held.append({**r, "phase": ph, "predicted": pred, "error_pct": 100 * (pred - r["seconds"]) / r["seconds"]})
+    errors = [abs(h["error_pct"]) for h in held]
+    return {"fits": fits, "prepost": prepost, "held_out": held,
+            "held_out_error_pct": {"mean_abs": statistics.mean(errors), "max_abs": max(errors)}}
+
+
+def cpu_name() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def main(a) -> int:
+    import torch
+
+    from tessera.engine import resolve_dtype
+    from tessera.layers.quant import quantize_model
+    from tessera.models.loader import load_model
+    bits = [int(b) for b in a.bits.split(",")]
+    if not 1 <= len(bits) <= 3 or not set(bits) <= {3, 4, 8, 16}:
+        raise SystemExit("--bits: one to three of 3, 4, 8, 16")
+    torch.set_num_threads(a.threads)
+    start = time.perf_counter()
+    dtype = resolve_dtype("auto")
+    model, cfg = load_model(a.model, dtype)
+    quantize_model(model, bits + [16] * (cfg.num_layers - len(bits)), group_size=a.group_size)
+    points = measure(model, bits, a.reps)
+    profile = {"kind": "tessera pq profile", "model": a.model, "dtype": str(dtype).removeprefix("torch."),
+               "cpu": cpu_name(), "threads": a.threads, "cores_allowed": len(os.sched_getaffinity(0)),
+               "group_size": a.group_size, "bits": bits, "points": points, **fit_points(points, bits)}
+    profile["profile_s"] = round(time.perf_counter() - start, 1)
+    pathlib.Path(a.out).write_text(json.dumps(profile, indent=1))
+    err = profile["held_out_error_pct"]
+    print(f"wrote {a.out} ({profile['cpu']}, {a.threads} thread(s), {profile['profile_s']} s): held-out error "
+          f"mean {err['mean_abs']:.1f} %, max {err['max_abs']:.1f} % over {len(profile['held_out'])} points")
+    for h in profile["held_out"]:
+        print(f"  {h['phase']:7s} bits {h['bits']:2d} b={h['b']:2d} s={h['s']:3d} i={h['i']:2d}: measured "
+              f"{h['seconds'] * 1e3:7.3f} ms, predicted {h['predicted'] * 1e3:7.3f} ms ({h['error_pct']:+.1f} %)")
+    return 0

@@ -1,0 +1,155 @@
+"""LLM-PQ's cost models and inputs: the memory model against the model's real shapes and the
+runtime's own quantized-weight accounting, the latency regressions (coefficients recovered,
+the profiled range kept), the link fit, devices.yaml, `tessera profile pq` on a tiny model, and
+`tessera plan pq` as a user runs it."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tessera.pipeline.costmodel import SHAPES, Link, MemoryModel, ModelShape, Regression, linear_bytes
+from tessera.pipeline.devices import GPU_RESERVED, load_cluster, load_gpu_specs
+
+SMOL = ModelShape("smollm2", "llama", 30, 576, 1536, 9, 3, 64, 49152)
+
+
+def test_memory_model_uses_the_real_layer_shapes():
+    """SmolLM2-135M (papers.md §4.11): 0.88 M attention + 2.65 M MLP parameters per layer."""
+    attn = sum(a * b for n, a, b in SMOL.linears() if n in "qkvo")
+    mlp = sum(a * b for n, a, b in SMOL.linears() if n in ("gate", "up", "down"))
+    assert (attn, mlp) == (884_736, 2_654_208)
+    mem = MemoryModel(SMOL)
+    assert mem.weight_bytes(16) == 2 * (attn + mlp + 2 * 576)
+    # int8: a byte per weight and a 16-bit scale per output row; int4: half a byte and a
+    # 16-bit (scale, offset) per group of 32 inputs
+    rows = sum(b for _, _, b in SMOL.linears())
+    groups = sum(b * a // 32 for _, a, b in SMOL.linears())
+    assert mem.weight_bytes(8) == attn + mlp + 2 * rows + 2 * 2 * 576
+    assert mem.weight_bytes(4) == (attn + mlp) / 2 + 4 * groups + 2 * 2 * 576
+    assert mem.kv_bytes(32, 192) == 32 * 2 * 3 * 64 * 192 * 2
+
+
+def test_weight_bytes_agree_with_the_runtime_quantizer():
+    quant = pytest.importorskip("tessera.layers.quant")
+    for fan_in, fan_out in ((576, 192), (1536, 576)):
+        for bits in (16, 8, 4, 3):
+            assert linear_bytes(fan_in, fan_out, bits, 32, int3_as_int4=True) == quant.linear_weight_bytes(
+                fan_out, fan_in, bits, 32)
+
+
+def test_published_shapes_give_the_published_sizes():
+    """OPT-13B/30B/66B and BLOOM-176B: parameter counts from the built-in dims (within 2 %)."""
+    for name, billions in (("opt-13b", 12.9), ("opt-30b", 30.0), ("opt-66b", 65.7), ("bloom-176b", 176.2)):
+        s = SHAPES[name]
+        total = s.layers * s.layer_params() + (s.vocab + s.positions) * s.hidden
+        assert total / 1e9 == pytest.approx(billions, rel=0.02), name
+
+
+def test_regression_recovers_coefficients_and_stays_in_the_profiled_box():
+    coef = (2e-5, 1e-6, 3e-6, 4e-9, 1e-4)
+
+    def truth(b, s):
+        return sum(c * f for c, f in zip(coef, (b, s, b * s, b * s * s, 1.0)))
+    pts = [(b, s, 0, truth(b, s)) for b in (1, 2, 4, 8) for s in (32, 64, 128)]
+    r = Regression.fit("prefill", pts)
+    assert r.coef == pytest.approx(coef, rel=1e-6)
+    assert r.predict(3, 100) == pytest.approx(truth(3, 100), rel=1e-9)
+    assert r.predict(64, 1024) == pytest.approx(truth(8, 128))            # clamped, not extrapolated
+    assert r.covers(4, 64) and not r.covers(16, 64)
+    # a fit with a negative intercept: at b = 1 it would say 1e-4 * 10 - 5e-3 < 0; b is clamped to
+    # the profiled 16 instead, and no prediction falls below the fastest measured time
+    neg = Regression("decode", (1e-4, 0.0, 0.0, -5e-3), (16, 1, 0), (64, 256, 0), 1e-3)
+    assert neg.predict(1, 10) == pytest.approx(1e-4 * 16 * 10 - 5e-3)
+    assert Regression("decode", neg.coef, neg.lo, neg.hi, 0.02).predict(1, 10) == 0.02
+    assert Regression.from_dict(r.to_dict()) == r
+
+
+def test_link_fit_recovers_latency_and_bandwidth():
+    link = Link(20e-6, 12.5)
+    fitted = Link.fit([(n, link.time(n)) for n in (1e3, 1e5, 1e6, 1e7)])
+    assert fitted.latency_s == pytest.approx(20e-6) and fitted.bandwidth_gbs == pytest.approx(12.5)
+    with pytest.raises(ValueError):
+        Link.fit([(1e3, 1e-5), (1e3, 2e-5)])
+
+
+def test_devices_yaml(tmp_path):
+    (tmp_path / "p.json").write_text("{}")
+    (tmp_path / "devices.yaml").write_text(
+        "devices:\n"
+        "  - {name: t4, type: T4, count: 3}\n"
+        "  - {name: cpu, type: cpu-2t, memory_gib: 0.5, threads: 2, profile: p.json, slowdown: 1.5}\n"
+        "links:\n"
+        "  - {between: [T4, cpu-2t], latency_us: 10, bandwidth_gbs: 2}\n"
+        "  - {between: [t4-0, t4-1], points: [[1000, 1.0e-6], [1000000, 1.0e-4]]}\n"
+        "default_link: {bandwidth_gbs: 100}\n")
+    c = load_cluster(tmp_path / "devices.yaml")
+    assert [d.name for d in c.devices] == ["t4-0", "t4-1", "t4-2", "cpu"]
+    t4, cpu = c.devices[0], c.devices[3]
+    assert t4.gpu == "T4" and t4.memory_gib == load_gpu_specs()["T4"].memory_gib
+    assert t4.budget_bytes() == pytest.approx(0.95 * 16 * 2 ** 30 - GPU_RESERVED)
+    assert cpu.profile == str(tmp_path / "p.json") and cpu.budget_bytes() == 0.5 * 2 ** 30
+    assert c.link(t4, cpu).latency_s == pytest.approx(10e-6)                # by type
+    assert c.link(c.devices[1], t4).time(1e6) == pytest.approx(1e-4, rel=1e-6)   # by name, fitted
+    assert c.link(c.devices[1], c.devices[2]).bandwidth_gbs == 100            # default
+    (tmp_path / "bad.yaml").write_text("- {name: x, type: cpu, memory_gib: 1}\n")
+    with pytest.raises(ValueError, match="exactly one"):
+        load_cluster(tmp_path / "bad.yaml")
+
+
+def test_gpu_specs_are_complete():
+    specs = load_gpu_specs()
+    assert set(specs) >= {"T4", "P100-12G", "V100-32G", "A100-40G", "A100-80G", "A800-80G"}
+    for s in specs.values():
+        assert s.source.startswith("NVIDIA") and s.bandwidth_gbs > 0 and s.fp16_tflops > 0
+
+
+def test_profile_pq_fits_a_real_layer(tiny_models, tmp_path, monkeypatch):
+    """The profile's code path on a tiny random Llama (2 layers: bits 16 and 8) at a few
+    points; the fitted profile then drives a plan."""
+    from types import SimpleNamespace
+
+    from tessera.pipeline import profile
+    from tessera.pipeline.costmodel import ProfiledLatency
+    monkeypatch.setattr(profile, "PREFILL", [(b, s) for b in (1, 2, 4) for s in (8, 16)])
+    monkeypatch.setattr(profile, "DECODE", [(b, s, i) for b in (1, 4) for s, i in ((8, 0), (16, 8))])
+    monkeypatch.setattr(profile, "HELD_PREFILL", [(3, 12)])
+    monkeypatch.setattr(profile, "HELD_DECODE", [(2, 12, 4)])
+    monkeypatch.setattr(profile, "PREPOST_PREFILL", [(1, 8), (2, 8), (4, 16)])
+    monkeypatch.setattr(profile, "PREPOST_DECODE", [1, 4])
+    out = tmp_path / "prof.json"
+    profile.main(SimpleNamespace(model=tiny_models["llama"], out=str(out), threads=1, bits="16,8", group_size=32,
+                                 reps=1))
+    data = json.loads(out.read_text())
+    assert data["bits"] == [16, 8] and len(data["held_out"]) == 4
+    assert all(p["seconds"] > 0 for p in data["points"]["decode"])
+    lat = ProfiledLatency.from_profile(data)
+    assert lat.bits == (8, 16) and lat.decode(8, 2, 12, 4) > 0 and lat.outside(32, 16, 4, 4) == ["prefill (b=32, s=16)"]
+
+
+def test_plan_pq_cli_writes_a_valid_plan(tmp_path, capsys):
+    """`tessera plan pq` on two simulated GPUs for OPT-13B: a table beside the baselines and a
+    plan file with the runtime's "bits" and "stages"."""
+    from tessera.cli import main
+    (tmp_path / "devices.yaml").write_text("- {name: a, type: A100-40G}\n- {name: v, type: V100-32G}\n")
+    out = tmp_path / "plan.json"
+    assert main(["plan", "pq", "--devices", str(tmp_path / "devices.yaml"), "--model", "opt-13b", "--batch", "16",
+                 "--prompt-len", "128", "--gen-len", "32", "--time-limit-s", "20", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    for word in ("llm-pq", "pipeedge", "uniform", "adabits", "simulated (roofline)", "fallback", "not modelled"):
+        assert word in text
+    plan = json.loads(out.read_text())
+    assert len(plan["bits"]) == 40 and plan["stages"][0]["start"] == 0 and plan["stages"][-1]["end"] == 40
+    assert [s["end"] for s in plan["stages"][:-1]] == [s["start"] for s in plan["stages"][1:]]
+    assert plan["label"] == "simulated (roofline)" and math.isclose(
+        plan["throughput_tok_s"], 16 * 32 / (plan["prefill_s"] + plan["decode_s"]))
+
+
+def test_paper_case_is_labelled_simulated():
+    from tessera.pipeline.paper_cases import CASES, run_case, summarize
+    row = run_case(CASES[0], time_limit_s=20)
+    assert row["label"] == "simulated (roofline)"
+    assert set(row["methods"]) == {"llm-pq", "pipeedge", "uniform", "adabits"}
+    assert row["methods"]["llm-pq"]["omega"] <= row["methods"]["uniform"]["omega"] * (1 + 1e-9)
+    assert summarize([row])["vs_uniform"]["cases"] == 1

@@ -1,0 +1,273 @@
+"""The LLM-PQ planner (pure Python + CBC): the ILP against a brute force over every contiguous
+split and per-layer bit-width of small instances, the baselines against their definitions, the
+plan validator against broken plans, the enumeration of device orders, and memory budgets."""
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from dataclasses import replace
+
+import pytest
+
+from tessera.pipeline import ilp
+from tessera.pipeline.costmodel import MemoryModel, ModelShape, ProfiledLatency, Regression
+from tessera.pipeline.devices import Cluster, Device
+from tessera.pipeline.ilp import Assignment, Infeasible, Tables
+from tessera.pipeline.plan import PlanError, validate
+from tessera.pipeline.planner import (CostModel, Workload, candidates, plan_method, prefill_sizes, tables_for,
+                                      type_orders, uniform_assignment)
+
+BITS = (4, 8, 16)
+
+
+def random_tables(seed: int, layers: int, devices: int, theta: float = 0.3, slack: float = 1.3,
+                  speed: tuple[float, ...] | None = None) -> Tables:
+    """Per device a speed, per bit a size and time; budgets between the 4-bit and 16-bit needs
+    of an even split, so memory binds and the bit choice matters; sends that can outlast a
+    short stage's compute."""
+    rnd = random.Random(seed)
+    size = {4: 1.0, 8: 1.9, 16: 3.7}
+    speed = speed or [rnd.uniform(0.5, 2.0) for _ in range(devices)]
+    even = math.ceil(layers / devices)
+    budgets = tuple(rnd.uniform(size[4], size[16] / slack) * even * rnd.uniform(0.9, 1.4) for _ in range(devices))
+    return Tables(
+        bits=BITS, layer_bytes=tuple(size[b] for b in BITS), budgets=budgets,
+        l_pre=tuple(tuple(s * (1.0 + 0.1 * (b == 4)) for b in BITS) for s in speed),      # prefill: bits barely matter
+        l_dec=tuple(tuple(s * 0.02 * b / 16 * rnd.uniform(0.9, 1.1) for b in BITS) for s in speed),
+        comm_pre=tuple(rnd.uniform(0, 3.0) for _ in range(devices)),
+        comm_dec=tuple(rnd.uniform(0, 0.05) for _ in range(devices)),
+        omega=tuple(tuple(rnd.uniform(0.5, 2.0) / (2 ** (b - 1) - 1) ** 2 * 40 for b in BITS) for _ in range(layers)),
+        theta=theta, prefill_micro_batches=4, decode_micro_batches=devices, mu_n=20, pre0=0.2, dec0=0.003)
+
+
+def splits(layers: int, devices: int):
+    """Every contiguous layer -> device map with each device holding at least one layer."""
+    for cuts in itertools.combinations(range(1, layers), devices - 1):
+        bounds = (0, *cuts, layers)
+        yield tuple(j for j in range(devices) for _ in range(bounds[j], bounds[j + 1]))
+
+
+def reference_objective(t: Tables, device, bits, kind: str) -> float:
+    """The objective of papers.md §4.5 (or 'rounds'), written out again for the brute force."""
+    n = t.devices
+    pre = [t.pre0 if j == 0 else 0.0 for j in range(n)]
+    dec = [t.dec0 if j == 0 else 0.0 for j in range(n)]
+    for j, b in zip(device, bits):
+        pre[j] += t.l_pre[j][BITS.index(b)]
+        dec[j] += t.l_dec[j][BITS.index(b)]
+    pre = [max(p, c) for p, c in zip(pre, t.comm_pre)]
+    dec = [max(d, c) for d, c in zip(dec, t.comm_dec)]
+    omega = sum(t.omega[i][BITS.index(b)] for i, b in enumerate(bits))
+    total = sum(pre) + (t.prefill_micro_batches - 1) * max(pre) + t.theta * omega
+    if kind == "paper":
+        return total + sum(dec) + (t.decode_micro_batches - 1) * max(dec) * (t.mu_n - 1)
+    return total + (t.mu_n - 1) * max(sum(dec), t.decode_micro_batches * max(dec))
+
+
+def fits(t: Tables, device, bits) -> bool:
+    used = [0.0] * t.devices
+    for j, b in zip(device, bits):
+        used[j] += t.layer_bytes[BITS.index(b)]
+    return all(u <= cap + 1e-9 for u, cap in zip(used, t.budgets))
+
+
+def brute_force(t: Tables, key, allowed=BITS):
+    """min key(device, bits) over every feasible assignment (None: nothing fits)."""
+    best = None
+    for device in splits(t.layers, t.devices):
+        for bits in itertools.product(allowed, repeat=t.layers):
+            if fits(t, device, bits):
+                v = key(device, bits)
+                best = v if best is None or v < best else best
+    return best
+
+
+@pytest.mark.parametrize("kind", ["paper", "rounds"])
+@pytest.mark.parametrize("seed,layers,devices,speed", [
+    (0, 5, 2, None), (1, 6, 2, None), (2, 6, 2, None), (3, 4, 3, None), (4, 5, 3, None),
+    (5, 5, 3, (1.0, 8.0, 1.0)),         # a slow middle device the optimum would rather skip
+])
+def test_ilp_optimum_equals_brute_force(seed, layers, devices, speed, kind):
+    t = random_tables(seed, layers, devices, speed=speed)
+    best = brute_force(t, lambda d, b: reference_objective(t, d, b, kind))
+    assert best is not None, "test instance must be feasible"
+    a = ilp.solve(t, kind, time_limit_s=30).assignment
+    assert fits(t, a.device, a.bits)
+    assert list(a.device) == sorted(a.device) and set(a.device) == set(range(devices))
+    assert reference_objective(t, a.device, a.bits, kind) == pytest.approx(best, rel=1e-7)
+
+
+@pytest.mark.parametrize("seed", [5, 6, 7])
+def test_adabits_has_the_least_omega_that_fits(seed):
+    t = random_tables(seed, 6, 2)
+    best = brute_force(t, lambda d, b: sum(t.omega[i][BITS.index(x)] for i, x in enumerate(b)))
+    a = ilp.solve_quality(t).assignment
+    assert fits(t, a.device, a.bits)
+    assert sum(t.omega[i][BITS.index(x)] for i, x in enumerate(a.bits)) == pytest.approx(best, rel=1e-9)
+
+
+def test_pipeedge_minimizes_the_decode_bottleneck_at_the_highest_bit_that_fits():
+    from tessera.pipeline.planner import pipeedge_assignment
+    t = random_tables(8, 6, 2)
+    top = next(b for b in sorted(BITS, reverse=True) if brute_force(t, lambda d, x: 0, allowed=(b,)) is not None)
+
+    def bottleneck(device, bits):
+        dec = [t.dec0 if j == 0 else 0.0 for j in range(t.devices)]
+        for j, b in zip(device, bits):
+            dec[j] += t.l_dec[j][BITS.index(b)]
+        return max(max(d, c) for d, c in zip(dec, t.comm_dec))
+    a = pipeedge_assignment(t, 30)
+    assert set(a.bits) == {top} and top < 16        # the instance forces quantization
+    assert bottleneck(a.device, a.bits) == pytest.approx(brute_force(t, bottleneck, allowed=(top,)))
+
+
+def test_uniform_splits_evenly_at_the_highest_bit_that_fits():
+    t = replace(random_tables(9, 5, 2), budgets=(3 * 1.9, 2 * 1.9 + 0.5))      # 8 bits fit 3 + 2 layers, 16 not
+    a = uniform_assignment(t)
+    assert a.device == (0, 0, 0, 1, 1) and a.bits == (8,) * 5
+    with pytest.raises(Infeasible, match="uniform"):
+        uniform_assignment(replace(t, budgets=(2.9, 2.0)))
+
+
+def test_infeasible_budget_is_a_clear_error():
+    t = replace(random_tables(0, 5, 2), budgets=(1.5, 1.5))                     # 5 layers need >= 5.0
+    with pytest.raises(Infeasible, match="memory budgets"):
+        ilp.solve(t)
+    with pytest.raises(Infeasible, match="memory budgets"):
+        ilp.solve_quality(t)
+
+
+# ---------------------------------------------------------------------------------------------
+# The planner on a small model with profiled (regression) devices
+
+SHAPE = ModelShape("tiny", "llama", layers=8, hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64,
+                   vocab=1000)
+
+
+def latency(speed: float) -> ProfiledLatency:
+    """A device type with time = speed * (1e-6 b s + 1e-4) to prefill, speed * (2e-6 b + ...) to
+    decode, bit-width making decode cheaper; pre/post speed * 5 ms per micro-batch."""
+    box_lo, box_hi = (1, 1, 0), (64, 512, 512)
+    fits_ = {b: (Regression("prefill", (0, 0, speed * 1e-6, 0, speed * 1e-4), box_lo, box_hi, 0.0),
+                 Regression("decode", (speed * 1e-8, speed * 2e-6, 0, speed * b * 1e-5), box_lo, box_hi, 0.0))
+             for b in BITS}
+    pp = (Regression("prepost_prefill", (0, 0, speed * 5e-3), box_lo, box_hi, 0.0),
+          Regression("prepost_decode", (0, speed * 5e-3), box_lo, box_hi, 0.0))
+    return ProfiledLatency(fits_, pp)
+
+
+def small_case(fast_mem=0.02, slow_mem=0.02, omega=None):
+    cluster = Cluster((Device("slow", "slow", slow_mem, profile="x"), Device("fast", "fast", fast_mem, profile="x")))
+    om = omega or tuple(tuple(1 / (2 ** (b - 1) - 1) ** 2 * (1 + i % 3) for b in BITS) for i in range(SHAPE.layers))
+    cost = CostModel("tiny", MemoryModel(SHAPE), {"slow": latency(4.0), "fast": latency(1.0)}, om, BITS)
+    return cluster, cost, Workload(8, 64, 16, theta=0.01, time_limit_s=30)
+
+
+def test_enumeration_finds_the_better_device_order():
+    """The slow device is listed first; stage 0 carries the pre/post time, so the plan that
+    starts on the fast device must win, and the planner must find it among the orders."""
+    cluster, cost, work = small_case()
+    assert [o[0].name for o in type_orders(cluster)] == ["slow", "fast"]
+    per_order = {}
+    for order in type_orders(cluster):
+        objectives = []
+        for xi in prefill_sizes(4):
+            t = tables_for(cluster, cost, work, order, xi)
+            objectives.append(ilp.evaluate(t, ilp.solve(t).assignment).objective)
+        per_order[order[0].name] = min(objectives)
+    plan = plan_method("llm-pq", cluster, cost, work)
+    assert plan.order[0] == "fast" and per_order["fast"] < per_order["slow"]
+    assert plan.objective == pytest.approx(per_order["fast"])
+
+
+def test_candidates_follow_the_paper():
+    assert prefill_sizes(8) == [2, 4, 8] and prefill_sizes(1) == [1] and prefill_sizes(7) == [7]
+    cluster, _, _ = small_case()
+    assert {xi for _, xi in candidates(cluster, 32)} == {2, 4, 8, 16}       # decode micro-batch 16
+    assert len(candidates(cluster, 32)) == 2 * 4
+
+
+def test_plans_are_valid_and_the_validator_catches_broken_ones():
+    cluster, cost, work = small_case()
+    devices = {d.name: d for d in cluster.devices}
+    plans = {m: plan_method(m, cluster, cost, work) for m in ("llm-pq", "llm-pq (heuristic)", "pipeedge",
+                                                             "uniform", "adabits")}
+    for p in plans.values():
+        validate(p, SHAPE.layers, cost.memory, devices, BITS)
+        assert p.throughput_tok_s == pytest.approx(work.batch * work.gen_len / (p.prefill_s + p.decode_s))
+    p = plans["llm-pq"]
+    s0, s1 = p.stages
+    broken = {
+        "not contiguous": replace(p, stages=(replace(s0, end=s0.end - 1, bits=s0.bits[:-1]), s1)),
+        "layer 0": replace(p, stages=(replace(s0, start=1, bits=s0.bits[1:]), s1)),
+        "ends at": replace(p, stages=(s0, replace(s1, end=s1.end - 1, bits=s1.bits[:-1]))),
+        "bit-widths": replace(p, stages=(replace(s0, bits=s0.bits[:-1] + (3,)), s1)),
+        "two stages": replace(p, stages=(s0, replace(s1, device=s0.device))),
+    }
+    for match, bad in broken.items():
+        with pytest.raises(PlanError, match=match):
+            validate(bad, SHAPE.layers, cost.memory, devices, BITS)
+    # the same stages on a device with a smaller memory than the plan uses
+    small = {**devices, s1.device: replace(devices[s1.device], memory_gib=s1.memory_bytes / 2 ** 30 * 0.99)}
+    with pytest.raises(PlanError, match="budget"):
+        validate(p, SHAPE.layers, cost.memory, small, BITS)
+
+
+def test_memory_budgets_shape_the_plan_and_impossible_ones_fail():
+    tight, cost, work = small_case(fast_mem=0.004, slow_mem=0.004)
+    roomy, _, _ = small_case(fast_mem=0.05, slow_mem=0.05)
+    p_tight, p_roomy = (plan_method("adabits", c, cost, work) for c in (tight, roomy))
+    assert min(p_tight.layer_bits) < 16 and set(p_roomy.layer_bits) == {16}
+    for s in p_tight.stages:
+        assert s.memory_bytes <= s.budget_bytes
+    starved, _, _ = small_case(fast_mem=0.001, slow_mem=0.001)
+    with pytest.raises(Infeasible, match="no device order"):
+        plan_method("llm-pq", starved, cost, work)
+
+
+def test_theta_trades_speed_for_quality():
+    """A larger θ never raises Σω (and here lowers it) and never raises predicted speed."""
+    cluster, cost, work = small_case(fast_mem=0.006, slow_mem=0.006)
+    lo, hi = (plan_method("llm-pq", cluster, cost, replace(work, theta=th)) for th in (0.0, 100.0))
+    assert hi.omega_sum < lo.omega_sum and hi.total_s >= lo.total_s
+
+
+def test_omega_cap_holds_llm_pq_to_the_uniform_quality():
+    cluster, cost, work = small_case(fast_mem=0.006, slow_mem=0.006)
+    uniform = plan_method("uniform", cluster, cost, work)
+    free = plan_method("llm-pq", cluster, cost, replace(work, theta=0.0))
+    capped = plan_method("llm-pq", cluster, cost, replace(work, theta=0.0, omega_cap=uniform.omega_sum))
+    assert free.omega_sum > uniform.omega_sum >= capped.omega_sum * (1 - 1e-9)
+    assert capped.objective >= free.objective
+
+
+def test_tables_put_extras_on_stage_zero_and_kv_for_the_whole_batch():
+    cluster, cost, work = small_case()
+    order = type_orders(cluster)[1]
+    t = tables_for(cluster, cost, work, order, 2)
+    mem = cost.memory
+    kv = 8 * 2 * SHAPE.kv_heads * SHAPE.head_dim * (64 + 16) * 2          # B * 2 * kv * hd * (s + n) * 2 bytes
+    assert t.layer_bytes[BITS.index(16)] == mem.weight_bytes(16) + kv
+    assert order[0].budget_bytes() - t.budgets[0] - (order[1].budget_bytes() - t.budgets[1]) == pytest.approx(
+        mem.extras_bytes(2, 4))
+    assert t.decode_micro_batches == 2 and t.prefill_micro_batches == 4 and t.mu_n == 16
+
+
+def test_heuristic_is_close_to_the_ilp_optimum():
+    for seed in range(3):
+        t = random_tables(seed, 6, 2)
+        from tessera.pipeline import heuristic
+        start = ilp.solve_quality(t).assignment
+        a = heuristic.improve(t, start)
+        opt = ilp.solve(t).assignment
+        best = reference_objective(t, opt.device, opt.bits, "paper")
+        got = reference_objective(t, a.device, a.bits, "paper")
+        assert fits(t, a.device, a.bits) and got <= reference_objective(t, start.device, start.bits, "paper")
+        assert got <= 1.15 * best
+
+
+def test_evaluate_reports_an_assignment_as_the_brute_force_does():
+    t = random_tables(3, 4, 3)
+    a = Assignment((0, 1, 1, 2), (16, 8, 4, 8))
+    assert ilp.evaluate(t, a, "rounds").objective == pytest.approx(reference_objective(t, a.device, a.bits, "rounds"))
