@@ -242,15 +242,17 @@ def test_omega_cap_holds_llm_pq_to_the_uniform_quality():
     assert capped.objective >= free.objective
 
 
-def test_tables_put_extras_on_stage_zero_and_kv_for_the_whole_batch():
+def test_tables_put_embeddings_first_head_last_and_kv_for_the_whole_batch():
     cluster, cost, work = small_case()
     order = type_orders(cluster)[1]
     t = tables_for(cluster, cost, work, order, 2)
     mem = cost.memory
     kv = 8 * 2 * SHAPE.kv_heads * SHAPE.head_dim * (64 + 16) * 2          # B * 2 * kv * hd * (s + n) * 2 bytes
     assert t.layer_bytes[BITS.index(16)] == mem.weight_bytes(16) + kv
-    assert order[0].budget_bytes() - t.budgets[0] - (order[1].budget_bytes() - t.budgets[1]) == pytest.approx(
-        mem.extras_bytes(2, 4))
+    first, last = order[0].budget_bytes() - t.budgets[0], order[1].budget_bytes() - t.budgets[1]
+    assert first - last == pytest.approx(mem.extras_bytes(2, 4, True, False) - mem.extras_bytes(2, 4, False, True))
+    # the runtime's last stage holds an LM head (pipeline/shard.py), the first the embeddings
+    assert mem.extras_bytes(2, 4, False, True) >= 2 * SHAPE.vocab * SHAPE.hidden
     assert t.decode_micro_batches == 2 and t.prefill_micro_batches == 4 and t.mu_n == 16
 
 

@@ -132,12 +132,16 @@ class MemoryModel:
         decode = decode_batch * per_token + decode_batch * sh.heads * context
         return DENSE_BYTES * max(prefill, decode)
 
-    def extras_bytes(self, xi: int, decode_batch: int) -> float:
-        """Stage 0's pre/post-processing: embeddings, LM head (when untied), final norm, and the
-        float32 logits of the last token of each sequence of a micro-batch."""
+    def extras_bytes(self, xi: int, decode_batch: int, first: bool = True, last: bool = True) -> float:
+        """Pre/post-processing, where the runtime keeps it (pipeline/shard.py): the first stage
+        holds the embeddings, the last the final norm, an LM head (its own copy even when tied
+        to the embedding, unless it is also the first stage) and the float32 logits of the last
+        token of each sequence of a micro-batch."""
         sh = self.shape
-        params = (sh.vocab + sh.positions) * sh.hidden + (0 if sh.tied else sh.vocab * sh.hidden) + 2 * sh.hidden
-        return DENSE_BYTES * params + 4 * max(xi, decode_batch) * sh.vocab
+        embed = (sh.vocab + sh.positions) * sh.hidden if first else 0
+        head = (0 if (first and sh.tied) else sh.vocab * sh.hidden) + sh.hidden if last else 0
+        logits = 4 * max(xi, decode_batch) * sh.vocab if last else 0
+        return DENSE_BYTES * (embed + head) + logits
 
 
 # ----------------------------------------------------------------------------------------------

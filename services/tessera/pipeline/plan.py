@@ -79,11 +79,12 @@ class Plan:
         return d
 
 
-def stage_fixed_bytes(memory: MemoryModel, first: bool, xi: int, prompt_len: int, decode_batch: int,
+def stage_fixed_bytes(memory: MemoryModel, first: bool, last: bool, xi: int, prompt_len: int, decode_batch: int,
                       full_len: int) -> float:
-    """Bytes a stage holds besides its layers: temporaries, and on stage 0 the extras."""
+    """Bytes a stage holds besides its layers: temporaries, the first stage's embeddings, the
+    last stage's head and logits."""
     fixed = memory.temp_bytes(xi, prompt_len, decode_batch, full_len)
-    return fixed + (memory.extras_bytes(xi, decode_batch) if first else 0.0)
+    return fixed + memory.extras_bytes(xi, decode_batch, first, last)
 
 
 def validate(plan: Plan, layers: int, memory: MemoryModel, devices: Mapping[str, Device],
@@ -111,9 +112,9 @@ def validate(plan: Plan, layers: int, memory: MemoryModel, devices: Mapping[str,
         if s.device not in devices:
             raise PlanError(f"stage {s.device}: no such device")
         need = sum(memory.layer_bytes(b, plan.batch, full) for b in s.bits)
-        need += stage_fixed_bytes(memory, j == 0, plan.xi, plan.prompt_len, plan.decode_micro_batch, full)
+        need += stage_fixed_bytes(memory, j == 0, j == len(plan.stages) - 1, plan.xi, plan.prompt_len, plan.decode_micro_batch, full)
         budget = devices[s.device].budget_bytes()
         if need > budget * (1 + 1e-9):
             raise PlanError(f"stage {s.device}: needs {need / 2**20:.1f} MiB (weights, full-length KV for "
-                            f"{plan.batch} sequences, temporaries{', extras' if j == 0 else ''}) but its budget "
+                            f"{plan.batch} sequences, temporaries, embeddings / head where held) but its budget "
                             f"is {budget / 2**20:.1f} MiB")

@@ -115,7 +115,7 @@ def tables_for(cluster: Cluster, cost: CostModel, work: Workload, order: tuple[D
     return Tables(
         bits=cost.bits,
         layer_bytes=tuple(mem.layer_bytes(b, work.batch, full) for b in cost.bits),
-        budgets=tuple(d.budget_bytes() - stage_fixed_bytes(mem, j == 0, xi, s, b_dec, full)
+        budgets=tuple(d.budget_bytes() - stage_fixed_bytes(mem, j == 0, j == n - 1, xi, s, b_dec, full)
                       for j, d in enumerate(order)),
         l_pre=tuple(tuple(m.prefill(b, xi, s) * k for b in cost.bits) for m, k in lat),
         l_dec=tuple(tuple(m.decode(b, b_dec, s, i_mid) * k for b in cost.bits) for m, k in lat),
@@ -215,7 +215,7 @@ def make_plan(method: str, cost: CostModel, work: Workload, order: tuple[Device,
     for j, d in enumerate(order):
         layers = [i for i, dj in enumerate(a.device) if dj == j]
         bits = tuple(a.bits[i] for i in layers)
-        fixed = stage_fixed_bytes(mem, j == 0, xi, work.prompt_len, b_dec, full)
+        fixed = stage_fixed_bytes(mem, j == 0, j == len(order) - 1, xi, work.prompt_len, b_dec, full)
         stages.append(Stage(d.name, d.type, layers[0], layers[-1] + 1, bits, ev.pre[j], ev.dec[j],
                             ev.memory[j] + fixed, d.budget_bytes()))
     omega = sum(cost.omega[i][cost.bits.index(b)] for i, b in enumerate(a.bits))
