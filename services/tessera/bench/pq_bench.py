@@ -39,12 +39,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout-s", type=float, default=240.0)
 
 
-def requests_file(path: pathlib.Path, a: argparse.Namespace, vocab: int) -> None:
+def requests_file(path: pathlib.Path, a: argparse.Namespace, vocab: int, model_id: str) -> None:
     """B completions of exactly s prompt tokens (ids spread over the vocabulary), n tokens each."""
     with path.open("w") as f:
         for r in range(a.batch):
             prompt = [(1000 + 7919 * (r * a.prompt_len + i)) % (vocab - 200) + 100 for i in range(a.prompt_len)]
-            body = {"model": "bench", "prompt": prompt, "max_tokens": a.gen_len, "temperature": 0, "ignore_eos": True}
+            body = {"model": model_id, "prompt": prompt, "max_tokens": a.gen_len, "temperature": 0, "ignore_eos": True}
             f.write(json.dumps({"custom_id": f"r{r}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
 
 
@@ -88,8 +88,9 @@ def run_plan(topo_file: pathlib.Path, req: pathlib.Path, out: pathlib.Path, a: a
 def _wait_ready(url: str, up: subprocess.Popen, timeout_s: float, log: pathlib.Path) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if up.poll() is not None:
-            raise RuntimeError(f"tessera up exited {up.returncode}: {log.read_text()[-600:]}")
+        text = log.read_text()
+        if up.poll() is not None or "giving up on" in text:   # e.g. a stage over its memory budget
+            raise RuntimeError(f"tessera up failed: {text[-600:]}")
         try:
             if httpx.get(url + "/health/ready", timeout=2).status_code == 200:
                 return
@@ -110,7 +111,7 @@ def perplexity(model: str, plan_file: pathlib.Path, windows: int) -> float:
 
 
 def main(a: argparse.Namespace) -> int:
-    from tessera.models.loader import load_config, resolve_model_path
+    from tessera.models.loader import load_config, model_id_for, resolve_model_path
     from tessera.pipeline import plan_cli
     from tessera.pipeline.planner import plan_all
     if not a.devices:
@@ -120,7 +121,7 @@ def main(a: argparse.Namespace) -> int:
     work_dir = pathlib.Path(a.work_dir or tempfile.mkdtemp(prefix="bench-pq-"))
     work_dir.mkdir(parents=True, exist_ok=True)
     req = work_dir / "requests.jsonl"
-    requests_file(req, a, load_config(resolve_model_path(a.model)).vocab_size)
+    requests_file(req, a, load_config(resolve_model_path(a.model)).vocab_size, model_id_for(a.model))
     devices = {d.name: d for d in cluster.devices}
     rows = []
     for method, plan in plans.items():

@@ -48,6 +48,7 @@ class ModelShape:
     vocab: int
     positions: int = 0       # learned position embeddings (OPT); 0 with RoPE / ALiBi
     tied: bool = True        # LM head shares the embedding
+    rope_positions: int = 0  # rows of the float32 RoPE cos/sin tables every stage keeps (our runtime)
 
     def __post_init__(self) -> None:
         if self.family not in ("llama", "opt", "bloom"):
@@ -87,7 +88,8 @@ def shape_from_config(name: str, cfg) -> ModelShape:
     if cfg.arch != "llama":
         raise ValueError(f"{name}: the LLM-PQ planner models dense Llama-family layers, not {cfg.arch}")
     return ModelShape(name, "llama", cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
-                      cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, 0, cfg.tie_word_embeddings)
+                      cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, 0, cfg.tie_word_embeddings,
+                      cfg.max_position_embeddings)
 
 
 def linear_bytes(fan_in: int, fan_out: int, bits: int, group_size: int = 32, int3_as_int4: bool = False) -> float:
@@ -125,12 +127,13 @@ class MemoryModel:
 
     def temp_bytes(self, xi: int, prompt_len: int, decode_batch: int, context: int) -> float:
         """The larger of one prefill micro-batch's and one decode micro-batch's live activations
-        inside a layer (hidden states, q/k/v, FFN intermediates, attention scores)."""
+        inside a layer (hidden states, q/k/v, FFN intermediates, attention scores), and the RoPE
+        tables a stage keeps."""
         sh = self.shape
         per_token = 2 * sh.hidden + (sh.heads + 2 * sh.kv_heads) * sh.head_dim + 3 * sh.intermediate
         prefill = xi * prompt_len * per_token + xi * sh.heads * prompt_len ** 2
         decode = decode_batch * per_token + decode_batch * sh.heads * context
-        return DENSE_BYTES * max(prefill, decode)
+        return DENSE_BYTES * max(prefill, decode) + 2 * 4 * sh.rope_positions * sh.head_dim
 
     def extras_bytes(self, xi: int, decode_batch: int, first: bool = True, last: bool = True) -> float:
         """Pre/post-processing, where the runtime keeps it (pipeline/shard.py): the first stage
