@@ -273,3 +273,28 @@ def test_evaluate_reports_an_assignment_as_the_brute_force_does():
     t = random_tables(3, 4, 3)
     a = Assignment((0, 1, 1, 2), (16, 8, 4, 8))
     assert ilp.evaluate(t, a, "rounds").objective == pytest.approx(reference_objective(t, a.device, a.bits, "rounds"))
+
+
+def test_a_plans_topology_runs_its_stages_as_planned(tmp_path):
+    """`tessera plan pq --topology`: the file `tessera up` reads gives each stage the plan's
+    layers, the plan file (per-layer bits), its device's threads and memory budget."""
+    import json
+
+    import yaml
+
+    from tessera.deploy.topology import Topology
+    from tessera.pipeline.plan_topology import plan_topology
+    cluster, cost, work = small_case(fast_mem=0.03, slow_mem=0.02)
+    cluster = Cluster(tuple(replace(d, threads=i + 1) for i, d in enumerate(cluster.devices)))
+    plan = plan_method("llm-pq", cluster, cost, work)
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps({**plan.to_dict(), "bits": list(plan.layer_bits)}))
+    topo = tmp_path / "topo.yaml"
+    topo.write_text(yaml.safe_dump(plan_topology(plan, {d.name: d for d in cluster.devices}, plan_file, "random:llama")))
+    procs = [p for p in Topology.load(topo).processes() if p.role == "pipeline_shard"]
+    assert len(procs) == len(plan.stages)
+    for p, s in zip(procs, plan.stages):
+        argv = " ".join(p.argv)
+        device = next(d for d in cluster.devices if d.name == s.device)
+        assert f"--layers {s.start}:{s.end}" in argv and f"--quantization {plan_file}" in argv
+        assert f"--threads {device.threads}" in argv and f"--memory-gib {device.memory_gib}" in argv

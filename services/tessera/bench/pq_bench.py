@@ -48,18 +48,6 @@ def requests_file(path: pathlib.Path, a: argparse.Namespace, vocab: int, model_i
             f.write(json.dumps({"custom_id": f"r{r}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
 
 
-def topology(plan, devices: dict, plan_file: pathlib.Path, a: argparse.Namespace, model: str) -> dict:
-    tokens = a.batch * (-(-(a.prompt_len + a.gen_len + 1) // 16) + 1)   # blocks for every request at full length
-    stages = [{"layers": f"{s.start}:{s.end}", "threads": devices[s.device].threads or 1,
-               "memory_gib": devices[s.device].memory_gib} for s in plan.stages]
-    return {"name": f"bench-pq-{plan.method.replace(' ', '-').replace('(', '').replace(')', '')}",
-            "model": model, "dtype": "bfloat16", "transport": "tcp",
-            "roles": {"redis": {"port": a.port + 50},
-                      "pipeline_shard": {"port": a.port + 1, "plan": str(plan_file), "stages": stages,
-                                         "num_kv_blocks": tokens, "max_num_seqs": a.batch},
-                      "gateway": {"port": a.port}}}
-
-
 def run_plan(topo_file: pathlib.Path, req: pathlib.Path, out: pathlib.Path, a: argparse.Namespace) -> float:
     """Seconds `run-batch --url` takes against `tessera up topo_file` (started and stopped here)."""
     log = topo_file.with_suffix(".log").open("w")
@@ -113,6 +101,7 @@ def perplexity(model: str, plan_file: pathlib.Path, windows: int) -> float:
 def main(a: argparse.Namespace) -> int:
     from tessera.models.loader import load_config, model_id_for, resolve_model_path
     from tessera.pipeline import plan_cli
+    from tessera.pipeline.plan_topology import plan_topology
     from tessera.pipeline.planner import plan_all
     if not a.devices:
         raise SystemExit("--devices: a devices.yaml of virtual devices with `profile:` (see the README)")
@@ -136,7 +125,7 @@ def main(a: argparse.Namespace) -> int:
         plan_file = work_dir / f"{slug}.plan.json"
         plan_file.write_text(json.dumps({**plan.to_dict(), "bits": list(plan.layer_bits)}, indent=1))
         topo_file = work_dir / f"{slug}.topology.yaml"
-        topo_file.write_text(yaml.safe_dump(topology(plan, devices, plan_file, a, a.model), sort_keys=False))
+        topo_file.write_text(yaml.safe_dump(plan_topology(plan, devices, plan_file, a.model, a.port), sort_keys=False))
         row.update(layout=plan.layout(), omega_sum=round(plan.omega_sum, 6),
                    perplexity=round(perplexity(a.model, plan_file, a.ppl_windows), 3))
         try:

@@ -47,6 +47,8 @@ def add_args(p) -> None:
     p.add_argument("--bits", default="3,4,8,16", help="bit-widths to plan with (without --indicator)")
     p.add_argument("--group-size", type=int, default=32, help="int4/int3 quantization group (memory model)")
     p.add_argument("--out", default="plan.json")
+    p.add_argument("--topology", default=None, help="also write a topology file that `tessera up` runs (profiled "
+                                                   "devices: one pipeline stage each on this machine)")
     p.add_argument("--paper-cases", action="store_true", help="plan papers.md §4.8's 11 clusters (simulated)")
     p.add_argument("--json", action="store_true", help="with --paper-cases: print JSON")
 
@@ -183,4 +185,11 @@ def main(a) -> int:
                                          for k, v in list(plans.items())[1:]}}
     pathlib.Path(a.out).write_text(json.dumps(doc, indent=1))
     print(f"wrote {a.out}")
+    if a.topology:
+        import yaml
+
+        from tessera.pipeline.plan_topology import plan_topology
+        topo = plan_topology(best, devices, pathlib.Path(a.out).resolve(), a.model)
+        pathlib.Path(a.topology).write_text(yaml.safe_dump(topo, sort_keys=False))
+        print(f"wrote {a.topology} (tessera up {a.topology})")
     return 0
