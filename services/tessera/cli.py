@@ -1,9 +1,8 @@
-"""`tessera` command line: serve | up | render | probe | keys add | worker | attention-node | expert-node |
-target-worker | draft-worker | pipeline-shard | gateway | model init-random | bench engine | bench serve | bench m2n | bench afd | profile | plan afd.
+"""`tessera` command line (`tessera --help` lists the commands; COMMANDS below is the table).
 
 Only argument parsing: each command builds its configs and calls its entrypoint
-(entrypoints/<role>.py, deploy/, bench/, disagg/). Config flags are generated from the frozen
-config dataclasses (entrypoints/flags.py), so `serve`, `worker` and `gateway` share them.
+(entrypoints/<role>.py, deploy/, bench/, disagg/, pipeline/). Config flags are generated from the
+frozen config dataclasses (entrypoints/flags.py), so `serve`, `worker` and `gateway` share them.
 A command's flags are built only when it is the one run (the gateway's import FastAPI).
 """
 from __future__ import annotations
@@ -124,18 +123,6 @@ def cmd_init_random(a: argparse.Namespace) -> int:
     from tessera.models.random_init import write_random_model
     print(write_random_model(a.arch, a.out, seed=a.seed))
     return 0
-
-
-def cmd_quantize(a: argparse.Namespace) -> int:
-    from tessera.entrypoints.quantize import main
-    return main(a.model, a.bits, a.group_size, a.out)
-
-
-def _quantize_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default="smollm2", help="'smollm2', an HF directory or a .gguf file")
-    p.add_argument("--bits", default="int4", help="int8, int4, int3, or a plan JSON with per-layer 'bits'")
-    p.add_argument("--group-size", type=int, default=32)
-    p.add_argument("--out", required=True, help="directory to write (tessera serve --model DIR serves it)")
 
 
 def cmd_bench_engine(a: argparse.Namespace) -> int:
@@ -346,7 +333,7 @@ COMMANDS = {
     ("profile",): ("measure T_a(b), T_e(b), T_c(b), T_o(b) here; write a JSON profile",
                    *_module_command("tessera.disagg.profile")),
     ("quantize",): ("write a weight-only quantized checkpoint (packed codes + scales) that serve loads "
-                    "directly", _quantize_args, cmd_quantize),
+                    "directly", *_module_command("tessera.entrypoints.quantize")),
     ("bench", "quant"): ("decode speed and held-out perplexity at 16/8/4 bits (per-linear kernel times "
                          "with --kernels)", *_module_command("tessera.bench.quant_bench")),
     ("indicator",): ("LLM-PQ: calibrate the quantization-sensitivity indicator ω[layer, bits] (--validate: "
