@@ -8,16 +8,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import sys
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from typing import TYPE_CHECKING
 
-from tessera import cluster_auth
 from tessera.config import ConfigError, SpeculativeConfig
+from tessera.entrypoints.aio_serve import serve_until_signal
 from tessera.draft_api import DraftInfo
 
 if TYPE_CHECKING:    # torch and the model load only in the draft worker, not where flags are built
@@ -68,27 +65,14 @@ async def serve(rounds: DraftRounds, host: str, port: int, registration=None, me
     if metrics_port:
         from tessera.metrics import serve_draft_metrics
         serve_draft_metrics(rounds, metrics_port, host)
-    server = grpc.aio.server(interceptors=[cluster_auth.AioServerInterceptor()])
-    draft_pb2_grpc.add_DraftWorkerServicer_to_server(DraftServicer(rounds), server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", SERVICE):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    stopping = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stopping.set)
-    await server.start()
-    tasks = [asyncio.create_task(_register(rounds, registration))] if registration else []
-    info = rounds.info()
-    log.info("draft worker for %s (%d layers) on %s:%d", info.model_id, info.layers, host, bound)
-    print(f"tessera draft worker ready on {host}:{bound}", flush=True)
-    await stopping.wait()
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    health_servicer.enter_graceful_shutdown()
-    await server.stop(shutdown_grace_s)
+
+    def ready(bound: int) -> None:
+        info = rounds.info()
+        log.info("draft worker for %s (%d layers) on %s:%d", info.model_id, info.layers, host, bound)
+        print(f"tessera draft worker ready on {host}:{bound}", flush=True)
+    await serve_until_signal(
+        lambda server: draft_pb2_grpc.add_DraftWorkerServicer_to_server(DraftServicer(rounds), server),
+        SERVICE, host, port, [_register(rounds, registration)] if registration else [], ready, shutdown_grace_s)
 
 
 async def _register(rounds: DraftRounds, registration) -> None:

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import sys
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tessera import cluster_auth
 from tessera.config import ConfigError, EngineConfig
+from tessera.entrypoints.aio_serve import serve_until_signal
 from tessera.pipeline.control import StageRefused
 from tessera.pipeline.stages import StageConfig
 from tessera.rpc import convert
@@ -51,27 +49,14 @@ async def serve_shard(shard, host: str, port: int, registration=None, metrics_po
     if metrics_port:
         from tessera.pipeline.metrics import serve_shard_metrics
         serve_shard_metrics(shard, metrics_port, host)
-    server = grpc.aio.server(interceptors=[cluster_auth.AioServerInterceptor()])
-    pipeline_pb2_grpc.add_PipelineShardServicer_to_server(PipelineShardServicer(shard), server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", SERVICE):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    stopping = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stopping.set)
-    await server.start()
-    tasks = [asyncio.create_task(_register(shard, registration))] if registration else []
-    log.info("pipeline stage %d (layers %d:%d) on %s:%d", shard.stage, shard.layers.start, shard.layers.stop,
-             host, bound)
-    print(f"tessera pipeline shard {shard.name} ready on {host}:{bound}", flush=True)
-    await stopping.wait()
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    health_servicer.enter_graceful_shutdown()
-    await server.stop(shutdown_grace_s)
+
+    def ready(bound: int) -> None:
+        log.info("pipeline stage %d (layers %d:%d) on %s:%d", shard.stage, shard.layers.start, shard.layers.stop,
+                 host, bound)
+        print(f"tessera pipeline shard {shard.name} ready on {host}:{bound}", flush=True)
+    await serve_until_signal(
+        lambda server: pipeline_pb2_grpc.add_PipelineShardServicer_to_server(PipelineShardServicer(shard), server),
+        SERVICE, host, port, [_register(shard, registration)] if registration else [], ready, shutdown_grace_s)
 
 
 async def _register(shard, registration) -> None:
