@@ -7,7 +7,9 @@ then run as a user would: its plan file and a pipeline topology (one stage per d
 plan's layer ranges, threads and memory budget) are written, `tessera up` starts the stages and
 the gateway, and `tessera run-batch --url` sends the B requests (greedy, ignore_eos) at once.
 Rows {"plan", "measured_tok_s", "predicted_tok_s", "perplexity", ...}; perplexity is held-out
-(pipeline/quality.py) with the plan's per-layer bits. A plan whose stage refuses to start (its
+(pipeline/quality.py) with the plan's per-layer bits; "calibrated_tok_s" adds one per-step
+overhead fitted on --calibrate-on's run, and "calibrated_error_pct" is that prediction's error on
+the other plans (see calibrate). A plan whose stage refuses to start (its
 memory budget) or whose run fails is a row with its error.
 """
 from __future__ import annotations
@@ -37,6 +39,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ppl-windows", type=int, default=4)
     p.add_argument("--work-dir", default=None, help="where plans, topologies and results go (default: a temp dir)")
     p.add_argument("--startup-timeout-s", type=float, default=240.0)
+    p.add_argument("--calibrate-on", default="uniform",
+                   help="plan whose measured run fits the per-step overhead the others are predicted with")
 
 
 def requests_file(path: pathlib.Path, a: argparse.Namespace, vocab: int, model_id: str) -> None:
@@ -98,6 +102,24 @@ def perplexity(model: str, plan_file: pathlib.Path, windows: int) -> float:
     return quality.perplexity(net, quality.windows(load_tokenizer(model), "heldout", windows, 256))
 
 
+def calibrate(rows: list[dict], batch: int, gen_len: int, on: str) -> dict | None:
+    """The planner sums layer times; a served decode step also pays the scheduler, sampler,
+    transport hops and the pipeline's fill/drain. Fit that as one overhead per decode step on
+    the `on` plan's measured run, then predict the OTHER plans with it (held out: their error is
+    the cost model's end-to-end error once calibrated on this machine)."""
+    base = next((r for r in rows if r["plan"] == on and r.get("measured_tok_s")), None)
+    if base is None:
+        return None
+    tokens = batch * gen_len
+    overhead = (tokens / base["measured_tok_s"] - tokens / base["predicted_tok_s"]) / gen_len
+    for r in rows:
+        if r.get("predicted_tok_s"):
+            r["calibrated_tok_s"] = round(tokens / (tokens / r["predicted_tok_s"] + gen_len * overhead), 2)
+            if r.get("measured_tok_s") and r["plan"] != on:
+                r["calibrated_error_pct"] = round(100 * (r["calibrated_tok_s"] / r["measured_tok_s"] - 1), 1)
+    return {"plan": on, "overhead_per_decode_step_ms": round(1000 * overhead, 2)}
+
+
 def main(a: argparse.Namespace) -> int:
     from tessera.models.loader import load_config, model_id_for, resolve_model_path
     from tessera.pipeline import plan_cli
@@ -134,7 +156,8 @@ def main(a: argparse.Namespace) -> int:
         except (RuntimeError, subprocess.CalledProcessError) as e:
             row["error"] = str(e)[-400:]
         rows.append(row)
+    calibration = calibrate(rows, a.batch, a.gen_len, a.calibrate_on)
     report = {"batch": a.batch, "prompt_len": a.prompt_len, "gen_len": a.gen_len, "notes": notes,
-              "work_dir": str(work_dir), "rows": rows}
+              "work_dir": str(work_dir), "calibration": calibration, "rows": rows}
     print(json.dumps(report, indent=1) if a.json else "\n".join(json.dumps(r) for r in rows))
     return 0
