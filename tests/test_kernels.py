@@ -4,13 +4,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tessera_kernels import gemv_cpu
 from tessera_kernels import paged_attention_cpu as pa
 
 pytestmark = pytest.mark.kernels
 
 
 @pytest.mark.skipif(not pa.available(), reason="no C compiler for the CPU kernel")
-@pytest.mark.parametrize("H,KV,D,bs", [(9, 3, 64, 16), (4, 4, 32, 4), (8, 1, 16, 8), (6, 2, 20, 2)])
+@pytest.mark.parametrize("H,KV,D,bs", [(9, 3, 64, 16), (4, 4, 32, 4), (8, 1, 16, 8), (6, 2, 128, 2)])
 def test_paged_decode_attention_matches_reference(H, KV, D, bs):
     g = torch.Generator().manual_seed(H * 100 + D)
     num_blocks, B = 48, 5
@@ -25,3 +26,47 @@ def test_paged_decode_attention_matches_reference(H, KV, D, bs):
     ref32 = pa.paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, bs, D ** -0.5)
     torch_err = (ref32.double() - ref64).abs().max()
     assert (out.double() - ref64).abs().max() <= 2 * torch_err + 1e-6
+
+
+@pytest.mark.skipif(not pa.available(), reason="no C compiler for the CPU kernel")
+@pytest.mark.parametrize("H,KV,D,bs", [(9, 3, 64, 16), (8, 1, 16, 8), (6, 2, 128, 2)])
+def test_paged_decode_attention_bf16_cache(H, KV, D, bs):
+    """bf16 cache and query, float32 arithmetic: equal to the float64 reference on the same
+    bf16 values up to the final rounding of the result to bf16 (and a float32 sum's error)."""
+    g = torch.Generator().manual_seed(H * 100 + D + 1)
+    num_blocks, B = 48, 5
+    k_cache = torch.randn(KV, num_blocks * bs, D, generator=g).bfloat16()
+    v_cache = torch.randn(KV, num_blocks * bs, D, generator=g).bfloat16()
+    lens = torch.tensor([1, bs, bs + 1, 3 * bs - 1, 5 * bs])
+    width = int(-(-lens.max() // bs))
+    tables = torch.randperm(num_blocks, generator=g)[:B * width].view(B, width)
+    q = torch.randn(B, H, D, generator=g).bfloat16()
+    out = pa.paged_decode_attention(q, k_cache, v_cache, tables, lens, bs, D ** -0.5)
+    assert out.dtype == torch.bfloat16
+    ref64 = pa.paged_decode_attention_ref(q.double(), k_cache.double(), v_cache.double(), tables, lens, bs, D ** -0.5)
+    bf16_rounding = ref64.abs() * 2.0 ** -8       # half an ulp of bf16's 8-bit mantissa
+    assert ((out.double() - ref64).abs() <= bf16_rounding + 1e-5).all()
+
+
+@pytest.mark.skipif(gemv_cpu._library() is None, reason="no C compiler for the CPU kernel")
+@pytest.mark.parametrize("M,N,K,bias", [(1, 960, 576, False), (2, 77, 32, True), (3, 576, 1536, False),
+                                        (4, 19, 16, True)])
+def test_gemv_bf16_matches_reference(M, N, K, bias):
+    """Float32 sums of the same bf16 products in another order, rounded to bf16 once: within
+    one bf16 rounding of the float64 product (plus the float32 sum's own error)."""
+    g = torch.Generator().manual_seed(M * 1000 + N)
+    x = torch.randn(M, K, generator=g).bfloat16()
+    w = torch.randn(N, K, generator=g).bfloat16()
+    b = torch.randn(N, generator=g).bfloat16() if bias else None
+    assert gemv_cpu.applies(x, w)
+    out = gemv_cpu.gemv_bf16(x, w, b)
+    assert out.dtype == torch.bfloat16 and out.shape == (M, N)
+    exact = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    assert ((out.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-4).all()
+
+
+def test_gemv_applies_only_to_few_bf16_rows():
+    w = torch.zeros(8, 32, dtype=torch.bfloat16)
+    assert not gemv_cpu.applies(torch.zeros(gemv_cpu.MAX_ROWS + 1, 32, dtype=torch.bfloat16), w)
+    assert not gemv_cpu.applies(torch.zeros(1, 32), w.float())
+    assert not gemv_cpu.applies(torch.zeros(1, 24, dtype=torch.bfloat16), torch.zeros(8, 24, dtype=torch.bfloat16))

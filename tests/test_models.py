@@ -84,16 +84,38 @@ def test_bf16_greedy_tokens_are_greedy_up_to_bf16_rounding(tiny_models, arch):
     and after one different token the sequences share nothing. So each token we pick is checked
     against the fp32 reference run on our own sequence: if our logits are within 2 * e of it
     (e: transformers' bf16 error at that position), the token we pick has an fp32 logit at most
-    4 * e below the best one. This also covers decode from a bf16 KV cache, which prefill does not."""
+    4 * e below the best one. This also covers decode from a bf16 KV cache, which prefill does not.
+    MoE: where a token's k-th and (k+1)-th fp32 router logits are closer than bf16 rounding,
+    either expert set is a correct bf16 choice, and the logits then differ by far more than
+    rounding; such positions are skipped (most positions have no tie: asserted)."""
     path = tiny_models[arch]
     engine = Engine(EngineConfig(model=path, dtype="bfloat16", cache=CacheConfig(block_size=4, num_blocks=64)))
     ref, hf_bf16 = bf16_reference(path)
     ours = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    cfg, checked = engine.model_config, 0
     for prompt, out in zip(PROMPTS, ours):
         seq = torch.tensor([prompt + out])
-        with torch.no_grad():   # row i predicts token i + 1: the rows that chose our outputs
-            exact = ref(seq).logits[0, len(prompt) - 1:-1]
-            hf_err = (hf_bf16(seq).logits[0, len(prompt) - 1:-1].float() - exact).abs().amax(dim=-1)
+        rows = slice(len(prompt) - 1, -1)   # row i predicts token i + 1: the rows that chose our outputs
+        with torch.no_grad():
+            fp32 = ref(seq, output_router_logits=True) if cfg.num_experts else ref(seq)
+            exact = fp32.logits[0, rows]
+            hf_err = (hf_bf16(seq).logits[0, rows].float() - exact).abs().amax(dim=-1)
         chosen = exact.gather(1, torch.tensor(out)[:, None])[:, 0]
         shortfall = exact.amax(dim=-1) - chosen
-        assert (shortfall <= 4 * hf_err + EPS).all(), (arch, shortfall.tolist(), hf_err.tolist())
+        tie = _router_tie(fp32, cfg)[rows]
+        bad = (shortfall > 4 * hf_err + EPS) & ~tie
+        assert not bad.any(), (arch, shortfall[bad].tolist(), hf_err[bad].tolist(), bad.nonzero().tolist())
+        checked += int((~tie).sum())
+    assert checked >= 0.75 * sum(len(o) for o in ours)
+
+
+def _router_tie(fp32_out, cfg) -> torch.Tensor:
+    """Per position: does some layer's router rank its k-th and (k+1)-th expert within bf16's
+    error there? A bf16 forward's logits are off by ~2^-6 of their size after two layers
+    (transformers' own, measured by these tests), so a margin under 2^-5 counts as a tie."""
+    n = fp32_out.logits.shape[1]
+    tie = torch.zeros(n, dtype=torch.bool)
+    for logits in getattr(fp32_out, "router_logits", None) or ():
+        top = logits.reshape(n, -1).float().topk(cfg.num_experts_per_tok + 1, dim=-1).values
+        tie |= (top[:, -2] - top[:, -1]) < top.abs().amax(dim=-1) * 2.0 ** -5
+    return tie

@@ -2,7 +2,9 @@
 transformers' generate on the same weights as the reference, measured in the same run.
 
 Prompts are random token ids of exactly --input-len tokens; every request generates exactly
---output-len tokens (greedy, ignore_eos). Output tokens/s = batch * output_len / wall time.
+--output-len tokens (greedy, ignore_eos). Output tokens/s = batch * output_len / wall time;
+decode tokens/s counts only the steps after the last request's first token (all decoding),
+and roofline_fraction is that rate over the GEMM roofline at this batch (bench/roofline.py).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import time
 
 import torch
 
+from tessera.bench.roofline import gemm_roofline
 from tessera.config import SamplingParams
 
 
@@ -34,10 +37,15 @@ def run_engine(engine, batch: int, input_len: int, output_len: int) -> dict:
         steps += 1
     wall = time.perf_counter() - start
     ttft = sum(first[i] for i in ids) / len(ids)
+    decode_tok_s = batch * (output_len - 1) / (wall - max(first.values()))  # every request decoding
+    roof = gemm_roofline(engine.runner.model, batch, engine.dtype)
     return {"impl": "tessera", "batch": batch, "input_len": input_len, "output_len": output_len,
             "dtype": str(engine.dtype).removeprefix("torch."), "wall_s": round(wall, 3), "steps": steps,
             "output_tok_s": round(batch * output_len / wall, 1), "mean_ttft_s": round(ttft, 3),
-            "tpot_ms": round((wall - ttft) / max(output_len - 1, 1) * 1000, 2)}
+            "tpot_ms": round((wall - ttft) / max(output_len - 1, 1) * 1000, 2),
+            "decode_tok_s": round(decode_tok_s, 1), "gemm_roofline_tok_s": round(roof["roofline_tok_s"], 1),
+            "gemm_gflops": round(roof["gemm_gflops"], 1),
+            "roofline_fraction": round(decode_tok_s / roof["roofline_tok_s"], 3)}
 
 
 def hf_dense_model(model_path: str, dtype: str):

@@ -1,7 +1,8 @@
 """Paged attention over a per-layer KV cache laid out [kv_heads, num_blocks * block_size, head_dim].
 
 New K/V are written to their slots first. Decode tokens then attend as one batch: with the
-C kernel (tessera_kernels.paged_attention_cpu, float32) straight from the paged cache; else
+C kernel (tessera_kernels.paged_attention_cpu, float32 or bfloat16 cache) straight from the
+paged cache; else
 their blocks are gathered whole (one index_select per layer, already [kv_heads, B, L, D] in
 this layout) and query heads sharing a KV head are grouped so GQA needs no copy of K/V.
 Each prefill chunk attends causally, to itself alone when it starts at position 0, else to
@@ -52,7 +53,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             batch: ForwardBatch, scale: float) -> torch.Tensor:
     """The one place that picks the decode implementation: the C kernel where it applies."""
-    if q.dtype == torch.float32 and q.device.type == "cpu" and paged_attention_cpu.available():
+    if (q.dtype in (torch.float32, torch.bfloat16) and q.device.type == "cpu"
+            and paged_attention_cpu.supports(q.shape[-1]) and paged_attention_cpu.available()):
         return paged_attention_cpu.paged_decode_attention(
             q.contiguous(), k_cache, v_cache, batch.decode_block_tables, batch.decode_context_lens,
             batch.block_size, scale)

@@ -5,14 +5,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tessera.layers.linear import Linear
+
 
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
 
     def __init__(self, hidden: int, intermediate: int, device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False, device=device)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False, device=device)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False, device=device)
+        self.down_proj = Linear(intermediate, hidden, bias=False, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

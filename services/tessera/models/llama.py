@@ -20,6 +20,7 @@ from torch import nn
 
 from tessera.batch import ForwardBatch
 from tessera.layers.attention import paged_attention
+from tessera.layers.linear import Linear
 from tessera.layers.mlp import SwiGLU
 from tessera.layers.norm import RMSNorm
 from tessera.layers.rope import RotaryEmbedding, apply_rope
@@ -34,8 +35,8 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_rows, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, qkv_rows, bias=cfg.qkv_bias)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
@@ -123,7 +124,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(LlamaAttention(cfg), make_ffn(cfg, i)) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)

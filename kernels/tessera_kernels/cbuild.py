@@ -1,0 +1,59 @@
+"""Build a C kernel from csrc/ on first use and load it with ctypes.
+
+The source is compiled with the host's C compiler (-O3 -march=native -fopenmp) into a cache
+directory keyed by the source, the flags and the CPU, so a machine with other vector units
+(AVX2 only, AVX-512, AMX) builds its own. ctypes releases the GIL during a call. Where no
+compiler is found or the build fails, load() returns None and callers use their torch path;
+TESSERA_DISABLE_CPU_KERNELS=1 does the same on purpose (for A/B measurements).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import pathlib
+import shutil
+import subprocess
+import threading
+
+_CSRC = pathlib.Path(__file__).parent / "csrc"
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
+_lock = threading.Lock()
+_libs: dict[str, ctypes.CDLL | None] = {}
+
+
+def load(name: str) -> ctypes.CDLL | None:
+    """csrc/<name>.c compiled and loaded once per process; None when it cannot be built."""
+    if os.environ.get("TESSERA_DISABLE_CPU_KERNELS") == "1":
+        return None
+    with _lock:
+        if name not in _libs:
+            _libs[name] = _build(name)
+        return _libs[name]
+
+
+def _build(name: str) -> ctypes.CDLL | None:
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        return None
+    src = _CSRC / f"{name}.c"
+    key = hashlib.sha256(src.read_bytes() + " ".join(_FLAGS).encode() + _cpu_id()).hexdigest()[:16]
+    cache = pathlib.Path(os.environ.get("TESSERA_CACHE", pathlib.Path.home() / ".cache" / "tessera"))
+    so = cache / "kernels" / f"{name}-{key}.so"
+    try:
+        if not so.exists():
+            so.parent.mkdir(parents=True, exist_ok=True)
+            tmp = so.with_suffix(f".{os.getpid()}.tmp")
+            subprocess.run([cc, *_FLAGS, str(src), "-o", str(tmp), "-lm"], check=True,
+                           capture_output=True, timeout=120)
+            os.replace(tmp, so)
+        return ctypes.CDLL(str(so))
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _cpu_id() -> bytes:
+    try:
+        return pathlib.Path("/proc/cpuinfo").read_bytes().split(b"\n\n")[0]
+    except OSError:
+        return b""

@@ -1,0 +1,84 @@
+/* y = x W^T (+ bias) for a few rows of x, weights in bfloat16: the decode step of a batch of
+ * one to a few requests, where every weight is read once per token and the speed is the
+ * memory's. W is nn.Linear's [N, K] row-major bf16; x [M, K] and bias [N] bf16; y [M, N] bf16.
+ *
+ * Each output column n is one dot product over K: the row of W is widened 16 at a time
+ * (bf16 is the top half of a float32: a 16-bit shift) and multiplied into M float32
+ * accumulators, so W is streamed once for all M rows. Threads split the columns. The
+ * result is rounded to bf16 (round to nearest even), as torch's bf16 matmul returns it.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_ROWS 4
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+static inline v16 widen(const uint16_t *p) {
+    v16h h;
+    memcpy(&h, p, sizeof h);
+    v16u w = __builtin_convertvector(h, v16u) << 16;
+    v16 f;
+    memcpy(&f, &w, sizeof f);
+    return f;
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);   /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float hsum(v16 a) {
+    float s = 0.0f;
+    for (int j = 0; j < 16; j++) s += a[j];
+    return s;
+}
+
+/* Column n of y for all M rows: one weight row streamed once. Inlined with M a constant
+ * (see gemv_bf16), so the M accumulators live in registers (with M a variable they spill,
+ * and one row at a time then runs at half the memory's speed: measured). */
+static inline __attribute__((always_inline))
+void column(const v16 *xs, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+            const int M, int N, int K, int n) {
+    const int n16 = K / 16;
+    const uint16_t *row = w + (int64_t)n * K;
+    v16 acc[MAX_ROWS];
+    for (int m = 0; m < M; m++) acc[m] = (v16){0};
+    for (int i = 0; i < n16; i++) {
+        v16 wv = widen(row + 16 * i);
+        for (int m = 0; m < M; m++) acc[m] += xs[m * n16 + i] * wv;
+    }
+    const float b = bias ? bf16_to_f32(bias[n]) : 0.0f;
+    for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = f32_to_bf16(hsum(acc[m]) + b);
+}
+
+#define GEMV(M_CONST)                                                            \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")        \
+    for (int n = 0; n < N; n++) column(xs, w, bias, y, M_CONST, N, K, n);
+
+/* K must be a multiple of 16 and 1 <= M <= MAX_ROWS: the wrapper checks both. */
+void gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+               int M, int N, int K, int num_threads) {
+    const int n16 = K / 16;
+    v16 xs[MAX_ROWS * n16];
+    for (int m = 0; m < M; m++)
+        for (int i = 0; i < n16; i++) xs[m * n16 + i] = widen(x + (int64_t)m * K + 16 * i);
+    switch (M) {
+        case 1: GEMV(1) break;
+        case 2: GEMV(2) break;
+        case 3: GEMV(3) break;
+        default: GEMV(4) break;
+    }
+}
