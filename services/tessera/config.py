@@ -81,12 +81,16 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache: fixed-size blocks; num_blocks None = sized from kv_cache_gib."""
+    """Paged KV cache: fixed-size blocks; num_blocks None = sized from kv_cache_gib; automatic
+    prefix caching on unless disabled (--no-enable-prefix-caching)."""
 
     block_size: int = field(default=16, metadata={"help": "tokens per KV block (a power of two)"})
     num_blocks: int | None = field(default=None, metadata={
         "flag": "--num-kv-blocks", "help": "KV blocks to allocate (default: as many as --kv-cache-gib holds)"})
     kv_cache_gib: float = field(default=1.0, metadata={"help": "memory for the KV cache, GiB"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "share the KV of full blocks whose whole prefix an earlier request computed (vLLM's APC); "
+        "outputs are the same either way"})
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

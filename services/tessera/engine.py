@@ -51,6 +51,7 @@ class RequestOutput:
     error: str | None = None          # set when this request failed inside the engine
     accepted_tokens: int = 0          # speculative decoding: draft tokens accepted so far
     rejected_tokens: int = 0          # and verified but rejected so far
+    cached_tokens: int = 0            # prompt tokens the prefix cache served (OpenAI's cached_tokens)
 
 
 class EngineError(RuntimeError):
@@ -98,7 +99,8 @@ class Engine:
         cache = config.cache
         per_block = kv_bytes_per_block(self.model_config, cache.block_size, self.dtype)
         num_blocks = cache.num_blocks or max(1, int(cache.kv_cache_gib * 2**30 // per_block))
-        self.kv = KVCacheManager(num_blocks, cache.block_size)
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self._reset_prefix_cache = False
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = make_runner(model, num_blocks, cache.block_size)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
@@ -191,13 +193,23 @@ class Engine:
 
     def fail_running(self) -> list[str]:
         """After a step raised: abort every running request (its KV state is suspect) and
-        return their ids; waiting requests stay queued."""
+        return their ids; waiting requests stay queued. The prefix cache is dropped too: a
+        failed step may mean a runner lost KV (a pipeline stage restarted)."""
         ids = [r.request_id for r in list(self.scheduler.running)]
         for rid in ids:
             self.abort(rid)
+        self.kv.reset_prefix_cache()
         return ids
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix before the next step (any thread may ask: a pipeline
+        stage was seen restarted, its KV gone)."""
+        self._reset_prefix_cache = True
+
     def step(self) -> list[RequestOutput]:
+        if self._reset_prefix_cache:
+            self._reset_prefix_cache = False
+            self.kv.reset_prefix_cache()
         plan = self.scheduler.schedule()
         if plan.empty:
             return []
@@ -240,7 +252,7 @@ class Engine:
         self.spec_stats.count(len(draft), len(path), len(outs))
         if not outs[-1].finished:
             self.runner.keep_path(entry.block_table, entry.start_pos, path)
-            request.num_computed_tokens += len(path)
+            self.scheduler.advance(request, len(path))
         last = outs[-1]
         return replace(last, new_token_ids=[t for o in outs for t in o.new_token_ids],
                        new_text="".join(o.new_text for o in outs), logprobs=[lp for o in outs for lp in o.logprobs],
@@ -294,7 +306,8 @@ class Engine:
             self.abort(request.request_id)
             return RequestOutput(request.request_id, [], "", [], True, "abort", request.num_prompt_tokens,
                                  request.num_output_tokens, error=f"sampling failed: {type(e).__name__}: {e}",
-                                 accepted_tokens=request.accepted_tokens, rejected_tokens=request.rejected_tokens)
+                                 accepted_tokens=request.accepted_tokens, rejected_tokens=request.rejected_tokens,
+                                 cached_tokens=max(request.num_cached_tokens, 0))
         return self._postprocess(request, 0, result)
 
     def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
@@ -327,7 +340,8 @@ class Engine:
             new_text=detok.delta(finished=status is not None), logprobs=logprobs,
             finished=status is not None, finish_reason=status.value if status else None,
             prompt_tokens=request.num_prompt_tokens, completion_tokens=request.num_output_tokens,
-            accepted_tokens=request.accepted_tokens, rejected_tokens=request.rejected_tokens)
+            accepted_tokens=request.accepted_tokens, rejected_tokens=request.rejected_tokens,
+            cached_tokens=max(request.num_cached_tokens, 0))
 
     def _forget(self, request_id: str) -> None:
         self._detok.pop(request_id, None)

@@ -47,6 +47,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_preemptions: int = 0
+    num_cached_tokens: int = -1         # prompt tokens the prefix cache served at first admission (-1: not yet)
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
     draft: Draft | None = None          # a draft tree to verify with the next decode token

@@ -4,7 +4,9 @@ One rule, as in vLLM v1: each step, every scheduled request computes
 num_tokens - num_computed_tokens of its tokens, capped by a per-step token budget (chunked
 prefill). Running requests go first, oldest first; when KV blocks run out the newest running
 request is preempted by recompute (blocks freed, num_computed_tokens reset to 0, back to the
-front of the queue). Waiting requests are admitted only in steps that preempted nothing.
+front of the queue). Waiting requests are admitted only in steps that preempted nothing; an
+admitted request starts with the longest run of its leading full blocks that the prefix cache
+holds (shared, and counted as computed), and its full blocks join the cache once computed.
 The output is a StepPlan: plain, serializable data that the model runner turns into tensors.
 """
 from __future__ import annotations
@@ -88,8 +90,8 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv.allocate(request.request_id, request.num_computed_tokens + n):
+            n = self._admit(request, budget)
+            if n is None:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -97,6 +99,21 @@ class Scheduler:
             scheduled.append(self._entry(request, n))
             budget -= n
         return StepPlan(tuple(scheduled), tuple(preempted))
+
+    def _admit(self, request: Request, budget: int) -> int | None:
+        """Blocks for a waiting request: its cached prefix, shared (num_computed_tokens moves
+        past it), plus new ones for the tokens it computes now, which it returns; None, with
+        nothing changed, when they do not fit."""
+        cached = self.kv.find_cached(request.request_id, request.all_token_ids)
+        hit = len(cached) * self.kv.block_size
+        n = min(request.num_tokens - hit, budget)
+        if not self.kv.allocate(request.request_id, hit + n, cached):
+            return None
+        self.kv.record_lookup(request.num_tokens, hit)
+        request.num_computed_tokens = hit
+        if request.num_cached_tokens < 0:     # reported once, as vLLM does: a recompute is ours
+            request.num_cached_tokens = min(hit, request.num_prompt_tokens)
+        return n
 
     def _with_draft(self, request: Request, budget: int) -> int:
         """Tokens to compute for a running request: its draft tree rides along with a decode
@@ -134,6 +151,9 @@ class Scheduler:
 
     def _entry(self, request: Request, n: int) -> ScheduledRequest:
         start = request.num_computed_tokens
+        # Everything the step writes (chunk, draft tree, the accepted path keep_path moves) lies
+        # in [start, start + n): never a shared or cached block.
+        assert self.kv.writable(request.request_id, start, start + n), request.request_id
         draft, request.draft = request.draft, None
         tokens = tuple(request.all_token_ids[start:start + n])
         if draft is not None and n == 1 + len(draft):
@@ -153,4 +173,9 @@ class Scheduler:
         for entry in plan.scheduled:
             request = self.requests.get(entry.request_id)
             if request is not None:
-                request.num_computed_tokens += 1 if entry.tree_parents else len(entry.token_ids)
+                self.advance(request, 1 if entry.tree_parents else len(entry.token_ids))
+
+    def advance(self, request: Request, n: int) -> None:
+        """n more of the request's tokens have their KV in place: its full blocks join the cache."""
+        request.num_computed_tokens += n
+        self.kv.commit(request.request_id, request.all_token_ids, request.num_computed_tokens)
