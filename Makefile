@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-dev serve test bench render
+.PHONY: setup setup-dev serve test bench render setup-vllm test-vllm
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,18 @@ serve: setup
 
 test: setup-dev
 	$(BIN)/python -m pytest -q tests
+
+# vLLM as a backend engine (`tessera worker --engine vllm`) in its own environment, so vLLM's
+# pins never move .venv; CUDA hosts: make setup-vllm VLLM_SPEC=vllm==0.33.0.
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.ready: deploy/setup_vllm.sh pyproject.toml
+	bash deploy/setup_vllm.sh $(VLLM_VENV)
+	touch $@
+
+setup-vllm: setup $(VLLM_VENV)/.ready
+
+test-vllm: setup-dev setup-vllm
+	$(BIN)/python -m pytest -q tests/test_vllm_engine.py
 
 # Compose and Kubernetes files are generated from the topology files (tests check they match).
 render: setup

@@ -48,7 +48,9 @@ def cmd_gateway(a: argparse.Namespace) -> int:
 
 
 def cmd_worker(a: argparse.Namespace) -> int:
-    from tessera.entrypoints.worker import main
+    from tessera.entrypoints import vllm_worker, worker
+    choice = from_args(vllm_worker.EngineChoice, a)   # --engine vllm: vLLM's engine, from .venv-vllm
+    main = (lambda *rest: vllm_worker.main(choice, *rest)) if choice.engine == "vllm" else worker.main
     return main(from_args(EngineConfig, a), a.host, a.port, _registration(a), a.metrics_port, a.shutdown_grace_s)
 
 
@@ -219,6 +221,12 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
     _registry_args(p)
 
 
+def _plain_worker_args(p: argparse.ArgumentParser) -> None:
+    from tessera.entrypoints.vllm_worker import EngineChoice
+    _worker_args(p)
+    add_flags(p, EngineChoice)
+
+
 def _attention_node_args(p: argparse.ArgumentParser) -> None:
     add_flags(p, EngineConfig)
     _address_args(p, 50061)
@@ -308,7 +316,7 @@ COMMANDS = {
                       cmd_keys_add),
     ("render",): ("docker-compose or Kubernetes files from a topology file", _render_args, cmd_render),
     ("probe",): ("health check for containers: exit 0 when TARGET is healthy", _probe_args, cmd_probe),
-    ("worker",): ("the gRPC worker process", _worker_args, cmd_worker),
+    ("worker",): ("the gRPC worker process (--engine vllm: vLLM's engine)", _plain_worker_args, cmd_worker),
     ("attention-node",): ("AFD: attention, KV cache, router and sampler (a worker)", _attention_node_args,
                           cmd_attention_node),
     ("expert-node",): ("AFD: a share of every layer's FFN / experts", _expert_node_args, cmd_expert_node),

@@ -65,12 +65,14 @@ async def _watch_health(engine: AsyncEngine, health_servicer: health.HealthServi
 
 
 async def serve(config: EngineConfig, host: str, port: int, build=None, role: str = "worker",
-                registration=None, metrics_port: int | None = None, shutdown_grace_s: float = 30.0) -> None:
-    """build() makes the engine (default: a monolithic one); an attention node passes its own.
+                registration=None, metrics_port: int | None = None, shutdown_grace_s: float = 30.0,
+                engine=None) -> None:
+    """build() makes the engine (default: a monolithic one); an attention node passes its own;
+    `engine` is one already running with AsyncEngine's face (the vLLM adapter, vllm_backend/).
     registration = (redis url, key prefix, advertised address) registers it with heartbeats;
     metrics_port serves the worker's Prometheus metrics over HTTP. Serves until SIGTERM or
     SIGINT, then drains (see _drain)."""
-    engine = AsyncEngine(build() if build is not None else Engine(config), role=role)
+    engine = engine or AsyncEngine(build() if build is not None else Engine(config), role=role)
     if metrics_port:
         from tessera.metrics import serve_worker_metrics
         serve_worker_metrics(engine, role, metrics_port, host)
@@ -87,7 +89,7 @@ async def serve(config: EngineConfig, host: str, port: int, build=None, role: st
     tasks = [asyncio.create_task(_watch_health(engine, health_servicer))]
     if registration:
         tasks.append(asyncio.create_task(_register(engine, config, role, registration)))
-    log.info("worker %s serving on %s:%d", engine.engine.model_id, host, bound)
+    log.info("worker %s serving on %s:%d", engine.info().model_id, host, bound)
     print(f"tessera worker ready on {host}:{bound}", flush=True)
     try:
         await stopping.wait()

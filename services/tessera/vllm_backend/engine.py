@@ -1,0 +1,186 @@
+"""VllmEngine: vLLM's AsyncLLM with the face the WorkerServicer drives (generate, abort, info,
+alive, shutdown, compat), in place of Tessera's AsyncEngine.
+
+    GenerateInput -> Processor (Tessera's tokenizer and chat template) -> prompt ids
+      -> AsyncLLM.generate(token ids, params.to_vllm(...)): a stream of new token ids + logprobs
+      -> IncrementalDetokenizer (text deltas, stop strings, resume) -> GenerateChunk
+
+Tokens come from vLLM; prompts and text are made exactly as the native worker makes them, so
+the two differ only in the numbers vLLM computes. Limits are checked first with the native
+rule (params.resolve) against vLLM's context and KV cache.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from typing import AsyncIterator
+
+from tessera.config import ConfigError, EngineConfig
+from tessera.detokenizer import IncrementalDetokenizer
+from tessera.processor import Processor
+from tessera.request import Resume
+from tessera.vllm_backend.params import Limits, as_worker_error, resolve, to_vllm
+from tessera.worker_api import (GenerateChunk, GenerateInput, Saturated, TokenLogprobInfo, TopToken, Unavailable,
+                                WorkerInfo)
+
+log = logging.getLogger("tessera.vllm")
+
+
+def start(config: EngineConfig, compile_model: bool = False, role: str = "worker") -> "VllmEngine":
+    """Convert the model if needed (hf_export), start AsyncLLM (its engine core process), and
+    wrap it. The native engine's settings map onto vLLM's; those with no vLLM meaning are refused."""
+    import vllm
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from tessera.engine import resolve_dtype
+    from tessera.models.loader import model_id_for
+    from tessera.tokenizer import load_tokenizer
+    from tessera.vllm_backend.hf_export import hf_directory
+    _check_supported(config)
+    dtype = str(resolve_dtype(config.dtype)).removeprefix("torch.")
+    s = config.scheduler
+    args = AsyncEngineArgs(model=str(hf_directory(config.model)), dtype=dtype, max_model_len=config.max_model_len,
+                           max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+                           kv_cache_memory_bytes=int(config.cache.kv_cache_gib * 2**30),
+                           enforce_eager=not compile_model, disable_log_stats=True, seed=0)
+    sink: dict = {}
+    llm = AsyncLLM.from_engine_args(args, stat_loggers=[stats_logger(sink)])
+    version = f"vllm-{vllm.__version__}" + ("" if compile_model else "-eager")
+    engine = VllmEngine(llm, load_tokenizer(config.model), config, model_id_for(config.model), dtype, version, role)
+    engine.stats = sink
+    return engine
+
+
+def _check_supported(config: EngineConfig) -> None:
+    refused = [(config.quantization, "--quantization (vLLM serves the dense weights)"),
+               (config.speculative.draft, "--speculative"),
+               (config.cache.num_blocks, "--num-kv-blocks (size vLLM's cache with --kv-cache-gib)"),
+               (config.cache.block_size != 16, "--block-size (vLLM picks its own)")]
+    named = [flag for value, flag in refused if value]
+    if named:
+        raise ConfigError(f"the vLLM engine does not take {', '.join(named)}; they are the native engine's")
+
+
+class VllmEngine:
+    def __init__(self, llm, tokenizer, config: EngineConfig, model_id: str, dtype: str, engine_version: str,
+                 role: str = "worker") -> None:
+        from tessera.registry import compatibility_hash
+        self.llm, self.tokenizer, self.config = llm, tokenizer, config
+        self.model_id, self.dtype, self.role = model_id, dtype, role
+        self.processor = Processor(tokenizer)
+        cache = llm.vllm_config.cache_config
+        self.block_size, self.num_blocks = cache.block_size, cache.num_gpu_blocks or 0
+        self.limits = Limits(llm.model_config.max_model_len, self.num_blocks * self.block_size)
+        self.compat = compatibility_hash(model_id, dtype, tokenizer_digest(tokenizer), engine_version)
+        self.stats: dict = {}          # the latest vLLM SchedulerStats (stats_logger)
+        self.streams = 0               # requests in flight here
+
+    @property
+    def alive(self) -> bool:
+        return not self.llm.errored
+
+    def info(self) -> WorkerInfo:
+        s = self.stats.get("latest")
+        running = s.num_running_reqs if s else min(self.streams, self.config.scheduler.max_num_seqs)
+        waiting = s.num_waiting_reqs if s else self.streams - running
+        used = round(s.kv_cache_usage * self.num_blocks) if s else 0
+        return WorkerInfo(model_id=self.model_id, max_model_len=self.limits.max_model_len,
+                          num_kv_blocks=self.num_blocks, kv_block_size=self.block_size,
+                          num_free_kv_blocks=self.num_blocks - used, num_running=running,
+                          num_waiting=max(waiting, self.streams - running), dtype=self.dtype, role=self.role,
+                          compat=self.compat)
+
+    async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateChunk]:
+        """Check, then stream from vLLM; every stream ends with a finish reason or an error."""
+        if not self.alive:
+            raise Unavailable("the vLLM engine is not running")
+        scheduler = self.config.scheduler
+        if self.streams >= scheduler.max_num_seqs + scheduler.max_waiting:
+            raise Saturated("the worker's queue is full; retry later")
+        prompt = self.processor.prompt_ids(request)
+        resume = request.resume or Resume()
+        done = len(resume.output_token_ids)
+        sampling = resolve(request.sampling, len(prompt), done, self.limits,
+                           "messages" if request.messages else "prompt")
+        detok = IncrementalDetokenizer(self.tokenizer, prompt, sampling.stop, sampling.include_stop_str_in_output)
+        detok.resume(resume.output_token_ids, resume.text_sent)
+        from vllm.inputs import TokensPrompt
+        self.streams += 1
+        stream = self.llm.generate(TokensPrompt(prompt_token_ids=prompt + list(resume.output_token_ids)),
+                                   to_vllm(sampling, done), request.request_id)
+        try:
+            first, count = True, done
+            while True:
+                try:
+                    out = await anext(stream)
+                except StopAsyncIteration:
+                    return
+                except Exception as e:
+                    raise as_worker_error(e) from e
+                c = out.outputs[0]
+                if c.finish_reason == "abort":    # Abort(): the gateway has gone already
+                    return
+                chunk = self._chunk(c, detok, sampling.logprobs or 0, count, len(prompt), prompt if first else None)
+                count, first = chunk.completion_tokens, False
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
+        finally:
+            self.streams -= 1
+            await stream.aclose()    # a stop string ended it early: vLLM aborts the request
+
+    def _chunk(self, c, detok: IncrementalDetokenizer, k: int, count: int, prompt_len: int,
+               prompt: list[int] | None) -> GenerateChunk:
+        """vLLM's delta as a GenerateChunk; tokens after a stop string are dropped."""
+        ids, finish = [], None
+        for token in c.token_ids:
+            ids.append(token)
+            if detok.append(token):
+                finish = "stop"
+                break
+        if finish is None and c.finish_reason is not None:
+            finish = c.finish_reason
+        logprobs = tuple(self._logprob(t, lp, k) for t, lp in zip(ids, c.logprobs or ()))
+        return GenerateChunk(text=detok.delta(finished=finish is not None), token_ids=tuple(ids),
+                             logprobs=logprobs, finish_reason=finish, prompt_tokens=prompt_len,
+                             completion_tokens=count + len(ids), prompt_token_ids=tuple(prompt or ()))
+
+    def _logprob(self, token: int, entries: dict, k: int) -> TokenLogprobInfo:
+        """vLLM's {token id: Logprob} holds the top k by rank, plus the sampled token."""
+        p = self.processor
+        top = sorted((lp.rank, t, lp.logprob) for t, lp in entries.items() if lp.rank <= k)
+        return TokenLogprobInfo(token, p.token_text(token), entries[token].logprob, p.token_bytes(token),
+                                tuple(TopToken(t, p.token_text(t), v, p.token_bytes(t)) for _, t, v in top))
+
+    def abort(self, request_id: str) -> None:
+        asyncio.get_running_loop().create_task(self.llm.abort(request_id))
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """The tokenizer's part of the compatibility hash, computed as Engine.compat_hash does."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return hashlib.sha256(repr((vocab, template)).encode()).hexdigest()[:16]
+
+
+def stats_logger(sink: dict):
+    """A vLLM stat logger factory that keeps the latest SchedulerStats in sink["latest"] (what
+    Info reports: running, waiting, KV cache use)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class Latest(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+            if scheduler_stats is not None:
+                sink["latest"] = scheduler_stats
+
+        def log_engine_initialized(self) -> None:
+            pass
+    return Latest
