@@ -5,8 +5,9 @@ C kernel (tessera_kernels.paged_attention_cpu, float32 or bfloat16 cache) straig
 paged cache; else
 their blocks are gathered whole (one index_select per layer, already [kv_heads, B, L, D] in
 this layout) and query heads sharing a KV head are grouped so GQA needs no copy of K/V.
-Each prefill chunk attends causally, to itself alone when it starts at position 0, else to
-its gathered context with an offset causal mask; an explicit mask per chunk replaces that
+Each prefill chunk attends causally (query heads grouped onto their KV head by SDPA's
+enable_gqa, no copy of K/V), to itself alone when it starts at position 0, else to its
+gathered context with an offset causal mask; an explicit mask per chunk replaces that
 causal one (tree verification: draft tokens attend to the context and their ancestors only).
 """
 from __future__ import annotations
@@ -42,10 +43,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             ks, vs = k[s:s + n].transpose(0, 1), v[s:s + n].transpose(0, 1)
         else:
             ks, vs = k_cache[:, chunk.context_slots], v_cache[:, chunk.context_slots]
-        groups = q.shape[1] // k.shape[1]
-        ks = ks.repeat_interleave(groups, dim=0).unsqueeze(0)  # [1, H, L, D]; cheap for one request
-        vs = vs.repeat_interleave(groups, dim=0).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale)
+        o = F.scaled_dot_product_attention(qs, ks.unsqueeze(0), vs.unsqueeze(0), attn_mask=mask,
+                                           is_causal=mask is None, scale=scale, enable_gqa=True)
         out[s:s + n] = o.squeeze(0).transpose(0, 1)
     return out
 

@@ -14,6 +14,5 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        normed = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return self.weight * normed.to(x.dtype)     # rounded to x's dtype before the weight, as HF does

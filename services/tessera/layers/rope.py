@@ -1,7 +1,10 @@
 """Rotary position embedding (the non-interleaved "rotate half" form used by HF Llama).
 
-q' = q * cos(p * f) + rotate_half(q) * sin(p * f), with f_i = theta^(-2i / d); the cos/sin
-tables are computed once in float32 for every position up to max_positions.
+q' = q * cos(p * f) + rotate_half(q) * sin(p * f), with f_i = theta^(-2i / d) and
+rotate_half([x1, x2]) = [-x2, x1]. The tables are computed once in float32 for every position
+up to max_positions, the sine with the sign of rotate_half folded in ([-sin, sin]), so that
+rotate_half(x) * sin = swap_halves(x) * signed_sin: the same products, in four torch ops for
+q and k together (a decode step at batch 1 is short enough for per-op overhead to show).
 """
 from __future__ import annotations
 
@@ -16,19 +19,16 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        signed_sin = emb.sin()
+        signed_sin[:, :head_dim // 2].neg_()
+        self.register_buffer("sin", signed_sin, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for these positions as [T, 1, D]; looked up once per step, used by every layer."""
+        """cos, signed sin for these positions as [T, 1, D]; looked up once per step, used by
+        every layer."""
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [T, H, D], k: [T, KV, D] rotated by the per-token angles."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D] (query and key heads side by side) rotated by the per-token angles."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin

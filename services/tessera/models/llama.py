@@ -45,16 +45,14 @@ class LlamaAttention(nn.Module):
                 rope: tuple[torch.Tensor, torch.Tensor],
                 masks: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
         """rope: cos, sin of each token's position; masks: see paged_attention."""
-        T = x.shape[0]
+        T, H, KV, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(self.norm(x))
-        q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-                             self.num_kv_heads * self.head_dim], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
+        qk = qkv[:, :(H + KV) * D].view(T, H + KV, D)      # query and key heads, rotated together
+        v = qkv[:, (H + KV) * D:].view(T, KV, D)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, k, *rope)
+            qk = torch.cat((self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])), dim=1)
+        qk = apply_rope(qk, *rope)
+        q, k = qk[:, :H], qk[:, H:]
         o = paged_attention(q, k, v, kv[0], kv[1], batch, self.scale, masks)
         return self.o_proj(o.reshape(T, -1))
 
