@@ -53,7 +53,8 @@ class AsyncEngine:
             dtype=str(e.dtype).removeprefix("torch."), role=self.role, compat=self.compat,
             speculative=_drafter(e.config.speculative), spec_verify_rounds=spec.verify_rounds,
             spec_draft_tokens=spec.draft_tokens, spec_accepted_tokens=spec.accepted_tokens,
-            spec_emitted_tokens=spec.emitted_tokens)
+            spec_emitted_tokens=spec.emitted_tokens, prefix_cache_queries=e.kv.stats.queries,
+            prefix_cache_hits=e.kv.stats.hits)
 
     async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateChunk]:
         """Tokenize here, then hand the request to the engine thread, which validates it
@@ -158,7 +159,7 @@ class AsyncEngine:
                              finish_reason=out.finish_reason, prompt_tokens=out.prompt_tokens,
                              completion_tokens=out.completion_tokens,
                              prompt_token_ids=tuple(prompt or ()), accepted_tokens=out.accepted_tokens,
-                             rejected_tokens=out.rejected_tokens)
+                             rejected_tokens=out.rejected_tokens, cached_tokens=out.cached_tokens)
 
 
 def _drafter(spec) -> str:

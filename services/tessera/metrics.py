@@ -42,6 +42,9 @@ class WorkerCollector:
                                    labels=labels)
         length.add_metric(values, info.spec_emitted_tokens / rounds if rounds else 0.0)
         yield length
+        yield from _counters("tessera_worker_prefix_cache", labels, values, (
+            ("queries", "Tokens looked up in the prefix cache at admission", info.prefix_cache_queries),
+            ("hits", "Tokens the prefix cache had (hit rate = hits / queries)", info.prefix_cache_hits)))
 
 
 def _counters(prefix: str, labels: list[str], values: list[str], rows):
@@ -137,6 +140,11 @@ class GatewayMetrics:
                                      buckets=_EMITTED, registry=r)
         self._rejected = Gauge("tessera_gateway_rejected_requests", "Requests refused at admission, by status",
                                ["model_name", "status"], registry=r)
+        self._prefix_queries = Counter("tessera_prefix_cache_queries", "Prompt tokens of finished requests",
+                                       labels, registry=r)
+        self._prefix_hits = Counter("tessera_prefix_cache_hits", "Of those, tokens the workers' prefix caches "
+                                    "served (usage.prompt_tokens_details.cached_tokens; hit rate = hits / queries)",
+                                    labels, registry=r)
         self.model_name = model_name
         self.ttft, self.itl, self.e2e = (h.labels(model_name) for h in (self._ttft, self._itl, self._e2e))
 
@@ -158,6 +166,12 @@ class GatewayMetrics:
             self._rejected_drafts.labels(m).inc(max(rejected, 0))
             self._acceptance.labels(m).observe(len(chunk.token_ids))
         return chunk.accepted_tokens, chunk.rejected_tokens
+
+    def observe_prompt(self, chunk: GenerateChunk) -> None:
+        """A choice's last chunk: its prompt tokens, and those the prefix cache served."""
+        if chunk.finish_reason:
+            self._prefix_queries.labels(self.model_name).inc(chunk.prompt_tokens)
+            self._prefix_hits.labels(self.model_name).inc(chunk.cached_tokens)
 
     def count(self, status: int) -> None:
         self.requests.labels(self.model_name, str(status)).inc()

@@ -51,6 +51,7 @@ class GenerateChunk:
     prompt_token_ids: tuple[int, ...] = ()
     accepted_tokens: int = 0          # speculative decoding: draft tokens accepted so far (this request)
     rejected_tokens: int = 0          # and verified but rejected so far
+    cached_tokens: int = 0            # prompt tokens the worker's prefix cache served
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,8 @@ class WorkerInfo:
     spec_draft_tokens: int = 0       # their draft tokens,
     spec_accepted_tokens: int = 0    # those the target accepted,
     spec_emitted_tokens: int = 0     # and tokens the rounds emitted (acceptance length = emitted / rounds)
+    prefix_cache_queries: int = 0    # since start, in tokens: looked up in the prefix cache at admission,
+    prefix_cache_hits: int = 0       # and found there
 
 
 class WorkerError(Exception):

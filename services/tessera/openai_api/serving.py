@@ -27,12 +27,13 @@ class Choice:
     prompt_tokens: int = 0
     accepted_tokens: int = 0      # speculative decoding: draft tokens accepted (cumulative per choice)
     rejected_tokens: int = 0
+    cached_tokens: int = 0        # prompt tokens the worker's prefix cache served
 
     def add(self, item: GenerateChunk) -> None:
         """Take one chunk's text, tokens and counts (logprobs and finish reason are the caller's)."""
         self.text += item.text
         self.token_ids.extend(item.token_ids)
-        self.prompt_tokens = item.prompt_tokens
+        self.prompt_tokens, self.cached_tokens = item.prompt_tokens, item.cached_tokens
         self.accepted_tokens, self.rejected_tokens = item.accepted_tokens, item.rejected_tokens
 
 
@@ -51,6 +52,7 @@ async def merged(client: WorkerClient, inputs: list[GenerateInput], metrics: Gat
                 if metrics is not None:
                     metrics.observe_token(chunk, now - start, now - last, first=last == start)
                     spec = metrics.observe_spec(chunk, spec)
+                    metrics.observe_prompt(chunk)
                 last = now
                 await queue.put((i, chunk))
         except WorkerError as e:
@@ -91,13 +93,15 @@ async def collect(client: WorkerClient, inputs: list[GenerateInput], metrics: Ga
 
 
 def usage(choices: list[Choice], n: int) -> dict:
-    """Prompt tokens count once per prompt (every n-th choice); completion tokens per choice.
-    completion_tokens_details (accepted / rejected prediction tokens, OpenAI's names) appears
-    only when the worker verified draft tokens for this request, so plain decoding answers
-    exactly as before."""
+    """Prompt tokens count once per prompt (every n-th choice), and so do the cached ones
+    (prompt_tokens_details.cached_tokens, always there as in OpenAI's answers; 0 when the
+    prefix cache had nothing); completion tokens per choice. completion_tokens_details
+    (accepted / rejected prediction tokens, OpenAI's names) appears only when the worker
+    verified draft tokens for this request, so plain decoding answers exactly as before."""
     prompt = sum(c.prompt_tokens for c in choices[::n])
     completion = sum(len(c.token_ids) for c in choices)
-    body: dict = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    body: dict = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                  "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in choices[::n])}}
     accepted, rejected = sum(c.accepted_tokens for c in choices), sum(c.rejected_tokens for c in choices)
     if accepted or rejected:
         body["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,

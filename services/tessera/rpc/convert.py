@@ -73,7 +73,7 @@ def chunk_to_proto(c: GenerateChunk) -> worker_pb2.GenerateResponse:
         text=c.text, token_ids=list(c.token_ids), finish_reason=c.finish_reason or "",
         usage=common_pb2.Usage(prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens),
         prompt_token_ids=list(c.prompt_token_ids), accepted_prediction_tokens=c.accepted_tokens,
-        rejected_prediction_tokens=c.rejected_tokens,
+        rejected_prediction_tokens=c.rejected_tokens, cached_tokens=c.cached_tokens,
         logprobs=[worker_pb2.TokenLogprob(
             token_id=lp.token_id, token=lp.token, logprob=lp.logprob, token_bytes=lp.token_bytes,
             top=[worker_pb2.TopLogprob(token_id=t.token_id, token=t.token, logprob=t.logprob,
@@ -86,7 +86,7 @@ def chunk_from_proto(msg: worker_pb2.GenerateResponse) -> GenerateChunk:
         text=msg.text, token_ids=tuple(msg.token_ids), finish_reason=msg.finish_reason or None,
         prompt_tokens=msg.usage.prompt_tokens, completion_tokens=msg.usage.completion_tokens,
         prompt_token_ids=tuple(msg.prompt_token_ids), accepted_tokens=msg.accepted_prediction_tokens,
-        rejected_tokens=msg.rejected_prediction_tokens,
+        rejected_tokens=msg.rejected_prediction_tokens, cached_tokens=msg.cached_tokens,
         logprobs=tuple(TokenLogprobInfo(
             lp.token_id, lp.token, lp.logprob, lp.token_bytes,
             tuple(TopToken(t.token_id, t.token, t.logprob, t.token_bytes) for t in lp.top))
@@ -99,14 +99,15 @@ def info_to_proto(i: WorkerInfo) -> worker_pb2.InfoResponse:
         kv_block_size=i.kv_block_size, num_free_kv_blocks=i.num_free_kv_blocks,
         num_running=i.num_running, num_waiting=i.num_waiting, dtype=i.dtype, role=i.role, compat=i.compat,
         speculative=i.speculative, spec_verify_rounds=i.spec_verify_rounds, spec_draft_tokens=i.spec_draft_tokens,
-        spec_accepted_tokens=i.spec_accepted_tokens, spec_emitted_tokens=i.spec_emitted_tokens)
+        spec_accepted_tokens=i.spec_accepted_tokens, spec_emitted_tokens=i.spec_emitted_tokens,
+        prefix_cache_queries=i.prefix_cache_queries, prefix_cache_hits=i.prefix_cache_hits)
 
 
 def info_from_proto(m: worker_pb2.InfoResponse) -> WorkerInfo:
     return WorkerInfo(m.model_id, m.max_model_len, m.num_kv_blocks, m.kv_block_size,
                       m.num_free_kv_blocks, m.num_running, m.num_waiting, m.dtype, m.role, m.compat,
                       m.speculative, m.spec_verify_rounds, m.spec_draft_tokens, m.spec_accepted_tokens,
-                      m.spec_emitted_tokens)
+                      m.spec_emitted_tokens, m.prefix_cache_queries, m.prefix_cache_hits)
 
 
 # WorkerError <-> gRPC status. The error class travels in the details as "<code>|<param>|<message>".
