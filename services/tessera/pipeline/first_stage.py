@@ -138,5 +138,8 @@ def build_first_stage(config: EngineConfig, stage: StageConfig, controls: list[S
     engine_config = replace(config, cache=replace(config.cache, num_blocks=num_blocks))
     engine = Engine(engine_config, model, tokenizer, make_runner=make_runner)
     if controls:
-        ring.watch(engine.runner.request_resync)
+        def broken() -> None:     # a stage that restarted lost its KV: no cached prefix may be shared
+            engine.reset_prefix_cache()
+            engine.runner.request_resync()
+        ring.watch(broken)
     return engine
