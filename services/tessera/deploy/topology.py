@@ -12,7 +12,9 @@ Kubernetes files (deploy/compose/, deploy/k8s/).
       worker:  {replicas: 2, port: 50051}
       gateway: {replicas: 1, port: 8000}
 
-A worker, target_worker or attention_node role may set its engine's limits: max_num_seqs (the
+A worker role may say which engine it runs: `engine: vllm` (default native) is `tessera worker
+--engine vllm`, vLLM's engine from .venv-vllm (`make setup-vllm`); in rendered files, an image
+built with vLLM. A worker, target_worker or attention_node role may set its engine's limits: max_num_seqs (the
 batch B), max_num_batched_tokens, num_kv_blocks or kv_cache_gib. Speculative decoding
 (SwiftSpec) pairs draft_worker replica i with target_worker replica i (equal replicas): the
 draft_worker role names the drafter (`speculative: self:8`) and may set the tree (tree_size,
@@ -51,7 +53,8 @@ SPEC_OPTIONS = {"speculative": "--speculative", "tree_size": "--spec-tree-size",
                 "depth": "--spec-depth"}
 # A pipeline's stages and precision (pipeline_shard role); stage 0's micro-batching, as the flags of StageConfig.
 PIPELINE_OPTIONS = {"stages", "plan", "bits", "prefill_micro_batch", "stage_timeout_s"}
-ROLE_OPTIONS = {"replicas", "port", "threads", "micro_batches", "ffn_timeout_s", "experts", "disable_batch_size",
+ENGINES = ("native", "vllm")    # what a worker role runs (`engine:`; tessera worker --engine)
+ROLE_OPTIONS = {"replicas", "port", "threads", "micro_batches", "ffn_timeout_s", "experts", "disable_batch_size", "engine",
                 *PIPELINE_OPTIONS,
                 *ENGINE_OPTIONS, *SPEC_OPTIONS}
 HOST = "127.0.0.1"
@@ -151,6 +154,8 @@ class Topology:
                     (name == "draft_worker" and "speculative" not in spec):
                 raise ConfigError(f"{path}: a draft_worker role names its drafter (speculative: self:K) and "
                                   "only it takes the tree options")
+            if spec.get("engine", "native") not in ENGINES or ("engine" in spec and name != "worker"):
+                raise ConfigError(f"{path}: engine is {' or '.join(ENGINES)}, on a worker role")
             if "disable_batch_size" in spec and name != "target_worker":
                 raise ConfigError(f"{path}: disable_batch_size applies to target workers only")
             if (name == "pipeline_shard") != bool(set(spec) & {"stages", "plan"}) or \
@@ -218,7 +223,8 @@ class Topology:
         register = (["--registry", self.redis_url(place), "--registry-prefix", self.registry_prefix,
                      "--advertise", place.advertise(role, i)] if self.registry else [])
         if role.name == "worker":
-            return ["worker", *model, *common, *threads, *limits, *register]
+            engine = ["--engine", role.options["engine"]] if role.options.get("engine", "native") != "native" else []
+            return ["worker", *model, *common, *threads, *limits, *engine, *register]
         if role.name in ("draft_worker", "target_worker"):
             return [role.name.replace("_", "-"), *model, *common, *threads,
                     *(limits if role.name == "target_worker" else []),
