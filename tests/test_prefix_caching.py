@@ -254,3 +254,16 @@ def test_the_worker_metrics_count_prefix_cache_tokens():
     text = generate_latest(registry).decode()
     assert 'tessera_worker_prefix_cache_queries_total{model_name="m",role="worker"} 120.0' in text
     assert 'tessera_worker_prefix_cache_hits_total{model_name="m",role="worker"} 48.0' in text
+
+
+def test_bench_serve_prompts_can_share_a_prefix():
+    import argparse
+
+    from tessera.bench.args import add_serve_bench_args
+    from tessera.bench.serve_bench import _make_prompts
+    p = argparse.ArgumentParser()
+    add_serve_bench_args(p)
+    prompts, _ = _make_prompts(p.parse_args(["--num-prompts", "3", "--input-len", "40", "--shared-prefix-len", "32"]))
+    assert all(len(x) == 40 and x[:32] == prompts[0][:32] for x in prompts) and prompts[1][32:] != prompts[0][32:]
+    plain, _ = _make_prompts(p.parse_args(["--num-prompts", "3", "--input-len", "40"]))
+    assert plain[0][:32] != plain[1][:32]

@@ -20,6 +20,9 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--shared-prefix-len", type=int, default=0,
+                   help="the first N of each prompt's --input-len tokens are the same in every prompt (a common "
+                   "system prompt: prefix caching serves it)")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--concurrency", type=int, default=None, help="max requests in flight (default: all)")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")

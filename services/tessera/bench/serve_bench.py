@@ -1,7 +1,8 @@
 """`tessera bench serve`: a load generator for any OpenAI-compatible server (Tessera, vLLM,
 llama.cpp). Prompts are random token ids of exactly --input-len tokens sent to /v1/completions
 (or their decoded text to /v1/chat/completions); each asks for --output-len tokens with
-ignore_eos. Requests go out all at once, at a Poisson rate, and/or under a concurrency cap.
+ignore_eos. With --shared-prefix-len N every prompt starts with the same N tokens (a common
+system prompt); cached_prompt_tokens sums the servers' usage.prompt_tokens_details.cached_tokens. Requests go out all at once, at a Poisson rate, and/or under a concurrency cap.
 
 TTFT: send -> first streamed token; TPOT: (E2E - TTFT) / (tokens - 1) per request; ITL: gaps
 between streamed chunks; E2E: send -> last chunk; output tokens/s: all output tokens / wall time.
@@ -38,7 +39,7 @@ async def _one(client: httpx.AsyncClient, a, model: str, prompt: list[int], text
         path, body["prompt"] = "/v1/completions", prompt
     start = time.perf_counter()
     times: list[float] = []
-    tokens = 0
+    tokens = cached = 0
     async with client.stream("POST", a.base_url + path, json=body) as r:
         if r.status_code != 200:
             return {"ok": False, "error": f"{r.status_code} {(await r.aread())[:200]!r}"}
@@ -48,6 +49,7 @@ async def _one(client: httpx.AsyncClient, a, model: str, prompt: list[int], text
             chunk = json.loads(line[5:])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
+                cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
             for c in chunk.get("choices") or []:
                 piece = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
                 if piece:
@@ -56,7 +58,7 @@ async def _one(client: httpx.AsyncClient, a, model: str, prompt: list[int], text
         return {"ok": False, "error": "no tokens streamed"}
     tokens = tokens or len(times)
     e2e = times[-1]
-    return {"ok": True, "ttft": times[0], "e2e": e2e, "tokens": tokens,
+    return {"ok": True, "ttft": times[0], "e2e": e2e, "tokens": tokens, "cached": cached,
             "tpot": (e2e - times[0]) / (tokens - 1) if tokens > 1 else None,
             "itl": [b - a for a, b in zip(times, times[1:])]}
 
@@ -85,12 +87,13 @@ async def run(a: argparse.Namespace) -> dict:
     out_tokens = sum(r["tokens"] for r in ok)
     return {
         "base_url": a.base_url, "model": model, "endpoint": a.endpoint, "num_prompts": len(prompts),
-        "input_len": a.input_len, "output_len": a.output_len, "concurrency": a.concurrency,
+        "input_len": a.input_len, "shared_prefix_len": a.shared_prefix_len, "output_len": a.output_len,
+        "concurrency": a.concurrency,
         "request_rate": None if a.request_rate == float("inf") else a.request_rate,
         "completed": len(ok), "failed": len(results) - len(ok),
         "errors": sorted({r["error"] for r in results if not r["ok"]})[:5],
         "duration_s": round(wall, 2), "output_tok_s": round(out_tokens / wall, 1),
-        "request_per_s": round(len(ok) / wall, 3),
+        "request_per_s": round(len(ok) / wall, 3), "cached_prompt_tokens": sum(r["cached"] for r in ok),
         "ttft_ms": _percentiles([r["ttft"] for r in ok]),
         "tpot_ms": _percentiles([r["tpot"] for r in ok if r["tpot"] is not None]),
         "itl_ms": _percentiles([x for r in ok for x in r["itl"]]),
@@ -99,13 +102,15 @@ async def run(a: argparse.Namespace) -> dict:
 
 
 def _make_prompts(a: argparse.Namespace) -> tuple[list[list[int]], list[str]]:
-    """Random token ids of exactly input_len (and their text, for the chat endpoint)."""
+    """Random token ids of exactly input_len, the first shared_prefix_len the same in all (and
+    their text, for the chat endpoint)."""
     from tessera.tokenizer import load_tokenizer
     tok = load_tokenizer(a.tokenizer)
     rng = random.Random(a.seed)
     special = set(tok.all_special_ids)
     vocab = [i for i in range(len(tok)) if i not in special]
-    prompts = [[rng.choice(vocab) for _ in range(a.input_len)] for _ in range(a.num_prompts)]
+    shared = [rng.choice(vocab) for _ in range(min(a.shared_prefix_len, a.input_len))]
+    prompts = [shared + [rng.choice(vocab) for _ in range(a.input_len - len(shared))] for _ in range(a.num_prompts)]
     return prompts, [tok.decode(p) for p in prompts]
 
 
