@@ -97,8 +97,10 @@ def test_greedy_tokens_are_the_same_with_and_without_the_cache_bf16(smollm2_engi
     reuses it, and that must change nothing."""
     from tessera.models.loader import load_model
     from tessera_kernels import gemv_cpu
-    applies = gemv_cpu.applies     # a step that samples nothing asks for an empty lm_head product,
-    monkeypatch.setattr(gemv_cpu, "applies", lambda x, w: x.shape[0] > 0 and applies(x, w))  # which gemv_bf16 crashes on
+    # A step that samples nothing (a chunk short of the prompt's end) asks the lm_head for an
+    # empty product, which gemv_bf16 crashes on (a segfault, at this commit): torch's takes it.
+    applies = gemv_cpu.applies
+    monkeypatch.setattr(gemv_cpu, "applies", lambda x, w: x.shape[0] > 0 and applies(x, w))
     model, _ = load_model("smollm2", torch.bfloat16)
     split = shared_prefix(chats(smollm2_engine.tokenizer))
     same_greedy_tokens(model, smollm2_engine.tokenizer, "bfloat16", split, batch=False)

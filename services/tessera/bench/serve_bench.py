@@ -1,8 +1,9 @@
 """`tessera bench serve`: a load generator for any OpenAI-compatible server (Tessera, vLLM,
 llama.cpp). Prompts are random token ids of exactly --input-len tokens sent to /v1/completions
 (or their decoded text to /v1/chat/completions); each asks for --output-len tokens with
-ignore_eos. With --shared-prefix-len N every prompt starts with the same N tokens (a common
-system prompt); cached_prompt_tokens sums the servers' usage.prompt_tokens_details.cached_tokens. Requests go out all at once, at a Poisson rate, and/or under a concurrency cap.
+ignore_eos. Requests go out all at once, at a Poisson rate, and/or under a concurrency cap.
+With --shared-prefix-len N every prompt starts with the same N tokens (a common system
+prompt); cached_prompt_tokens sums the server's usage.prompt_tokens_details.cached_tokens.
 
 TTFT: send -> first streamed token; TPOT: (E2E - TTFT) / (tokens - 1) per request; ITL: gaps
 between streamed chunks; E2E: send -> last chunk; output tokens/s: all output tokens / wall time.
