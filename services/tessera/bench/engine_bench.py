@@ -18,8 +18,10 @@ from tessera.bench.roofline import gemm_roofline
 from tessera.config import SamplingParams
 
 
-def _prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
+def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
+    """Seeded by the batch size: with one seed, a batch's first rows would repeat the previous
+    batch's prompts, which the prefix cache would serve."""
+    g = torch.Generator().manual_seed(batch)
     return torch.randint(100, vocab - 100, (batch, length), generator=g).tolist()
 
 
