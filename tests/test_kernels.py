@@ -68,5 +68,6 @@ def test_gemv_bf16_matches_reference(M, N, K, bias):
 def test_gemv_applies_only_to_few_bf16_rows():
     w = torch.zeros(8, 32, dtype=torch.bfloat16)
     assert not gemv_cpu.applies(torch.zeros(gemv_cpu.MAX_ROWS + 1, 32, dtype=torch.bfloat16), w)
+    assert not gemv_cpu.applies(torch.zeros(0, 32, dtype=torch.bfloat16), w)  # a step sampling nothing
     assert not gemv_cpu.applies(torch.zeros(1, 32), w.float())
     assert not gemv_cpu.applies(torch.zeros(1, 24, dtype=torch.bfloat16), torch.zeros(8, 24, dtype=torch.bfloat16))
