@@ -147,3 +147,32 @@ def test_unset_max_tokens_runs_to_what_the_cache_holds(tiny_models):
         assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
     finally:
         engine.shutdown()
+
+
+def test_a_slow_consumer_gets_several_steps_in_one_chunk(tiny_models):
+    """A stream read slower than the engine steps (a client or gateway behind under load)
+    gets the outputs waiting for it merged: fewer chunks than tokens, the same tokens, text
+    and logprobs in order as a stream read at once, and the last chunk finishes it."""
+    from tessera.config import SamplingParams
+    from tessera.worker_api import GenerateInput
+    cfg = EngineConfig(model=tiny_models["llama"], dtype="float32", cache=CacheConfig(block_size=4, num_blocks=64))
+    engine = AsyncEngine(Engine(cfg))
+    sampling = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+
+    async def read(rid: str, pause_s: float) -> list:
+        chunks = []
+        async for chunk in engine.generate(GenerateInput(rid, sampling, token_ids=(5, 6, 7))):
+            chunks.append(chunk)
+            await asyncio.sleep(pause_s)
+        return chunks
+    try:
+        fast = asyncio.run(read("fast", 0.0))
+        slow = asyncio.run(read("slow", 0.05))
+    finally:
+        engine.shutdown()
+    tokens = lambda cs: [t for c in cs for t in c.token_ids]  # noqa: E731
+    assert len(tokens(fast)) == len(tokens(slow)) == 24
+    assert tokens(slow) == tokens(fast)
+    assert "".join(c.text for c in slow) == "".join(c.text for c in fast)
+    assert [lp.token_id for c in slow for lp in c.logprobs] == tokens(fast)
+    assert len(slow) < 24 and slow[-1].finish_reason == "length" and slow[-1].completion_tokens == 24

@@ -3,6 +3,7 @@
 The thread owns the Engine (nothing else touches it): it drains an inbox of add/abort
 commands, runs step(), and hands each RequestOutput to the waiting coroutine through
 loop.call_soon_threadsafe. Every accepted request ends with a finished output or an error.
+A stream that falls behind gets the outputs waiting for it merged into one chunk.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import replace
 from typing import AsyncIterator
 
 from tessera.config import ConfigError
@@ -74,13 +76,13 @@ class AsyncEngine:
         try:
             first = True
             while not finished:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield self._chunk(item, prompt if first else None)
-                first = False
+                outs, error = await _take_ready(q)
+                finished = error is not None or outs[-1].finished
+                if outs:
+                    yield self._chunk(_merge(outs), prompt if first else None)
+                    first = False
+                if error is not None:
+                    raise error
         finally:
             self._streams.pop(rid, None)
             if not finished:
@@ -160,6 +162,30 @@ class AsyncEngine:
                              completion_tokens=out.completion_tokens,
                              prompt_token_ids=tuple(prompt or ()), accepted_tokens=out.accepted_tokens,
                              rejected_tokens=out.rejected_tokens, cached_tokens=out.cached_tokens)
+
+
+async def _take_ready(q: asyncio.Queue) -> tuple[list[RequestOutput], BaseException | None]:
+    """The next output, and every output of the same request already queued behind it: when
+    the consumer (the gRPC stream, the client) falls behind the engine under load, the
+    outputs of several steps go out as one message instead of queueing one per step."""
+    outs: list[RequestOutput] = []
+    item = await q.get()
+    while True:
+        if isinstance(item, BaseException):
+            return outs, item
+        outs.append(item)
+        if item.finished or q.empty():
+            return outs, None
+        item = q.get_nowait()
+
+
+def _merge(outs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one: the new tokens, text and logprobs of all,
+    the counters and finish state of the last."""
+    if len(outs) == 1:
+        return outs[0]
+    return replace(outs[-1], new_token_ids=[t for o in outs for t in o.new_token_ids],
+                   new_text="".join(o.new_text for o in outs), logprobs=[lp for o in outs for lp in o.logprobs])
 
 
 def _drafter(spec) -> str:
