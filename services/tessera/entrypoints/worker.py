@@ -72,7 +72,7 @@ async def serve(config: EngineConfig, host: str, port: int, build=None, role: st
     registration = (redis url, key prefix, advertised address) registers it with heartbeats;
     metrics_port serves the worker's Prometheus metrics over HTTP. Serves until SIGTERM or
     SIGINT, then drains (see _drain)."""
-    engine = engine or AsyncEngine(build() if build is not None else Engine(config), role=role)
+    engine = engine or AsyncEngine(build() if build is not None else _warmed(Engine(config)), role=role)
     if metrics_port:
         from tessera.metrics import serve_worker_metrics
         serve_worker_metrics(engine, role, metrics_port, host)
@@ -98,6 +98,18 @@ async def serve(config: EngineConfig, host: str, port: int, build=None, role: st
         for task in tasks:
             task.cancel()
         engine.shutdown()
+
+
+def _warmed(engine: Engine) -> Engine:
+    """Two short requests through prefill and decode before the worker says it is ready: the
+    CPU kernels are compiled and torch's GEMM primitives built now, not in a user's request.
+    Their prompts fill no KV block, so nothing stays in the prefix cache."""
+    from tessera.config import SamplingParams
+    t0 = time.monotonic()
+    half = max(1, engine.kv.block_size // 2 - 2)
+    engine.generate([[engine.model_config.bos_token_id or 1] * half] * 2, SamplingParams(temperature=0, max_tokens=2))
+    log.info("warm-up done in %.1f s", time.monotonic() - t0)
+    return engine
 
 
 async def _drain(server: grpc.aio.Server, health_servicer: health.HealthServicer, tasks, grace_s: float) -> None:
