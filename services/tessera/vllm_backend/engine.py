@@ -79,7 +79,7 @@ class VllmEngine:
 
     @property
     def alive(self) -> bool:
-        return not self.llm.errored
+        return self.llm is not None and not self.llm.errored
 
     def info(self) -> WorkerInfo:
         s = self.stats.get("latest")
@@ -158,7 +158,9 @@ class VllmEngine:
         asyncio.get_running_loop().create_task(self.llm.abort(request_id))
 
     def shutdown(self) -> None:
-        self.llm.shutdown()
+        llm, self.llm = self.llm, None
+        llm.shutdown()
+        llm.shutdown = lambda timeout=None: None   # once: AsyncLLM.__del__ at interpreter exit would fail
 
 
 def tokenizer_digest(tokenizer) -> str:
