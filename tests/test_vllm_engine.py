@@ -168,6 +168,14 @@ def test_logprobs_and_seeds(client):
     assert "".join(lp.tokens) == comp.choices[0].text
 
 
+def test_prefix_cache_hits_are_reported(client):
+    """vLLM's automatic prefix caching (on, as --enable-prefix-caching says) in OpenAI's usage."""
+    system = {"role": "system", "content": "You are a terse assistant. " * 60}
+    cached = [client.chat.completions.create(model=MODEL, messages=[system, *FRANCE], max_tokens=2)
+              .usage.prompt_tokens_details.cached_tokens for _ in range(3)]
+    assert max(cached[1:]) > 0, cached
+
+
 def test_errors_are_openai_400s(client):
     with pytest.raises(openai.BadRequestError) as e:    # vLLM refuses a bias on a token it does not have
         client.chat.completions.create(model=MODEL, messages=FRANCE, logit_bias={"60000": 5})

@@ -44,6 +44,7 @@ def start(config: EngineConfig, compile_model: bool = False, role: str = "worker
     args = AsyncEngineArgs(model=str(hf_directory(config.model)), dtype=dtype, max_model_len=config.max_model_len,
                            max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                            kv_cache_memory_bytes=int(config.cache.kv_cache_gib * 2**30),
+                           enable_prefix_caching=config.cache.enable_prefix_caching,
                            enforce_eager=not compile_model, disable_log_stats=True, seed=0)
     sink: dict = {}
     llm = AsyncLLM.from_engine_args(args, stat_loggers=[stats_logger(sink)])
@@ -122,7 +123,8 @@ class VllmEngine:
                 c = out.outputs[0]
                 if c.finish_reason == "abort":    # Abort(): the gateway has gone already
                     return
-                chunk = self._chunk(c, detok, sampling.logprobs or 0, count, len(prompt), prompt if first else None)
+                chunk = self._chunk(c, detok, sampling.logprobs or 0, count, len(prompt), prompt if first else None,
+                                    min(out.num_cached_tokens or 0, len(prompt)))
                 count, first = chunk.completion_tokens, False
                 yield chunk
                 if chunk.finish_reason is not None:
@@ -132,7 +134,7 @@ class VllmEngine:
             await stream.aclose()    # a stop string ended it early: vLLM aborts the request
 
     def _chunk(self, c, detok: IncrementalDetokenizer, k: int, count: int, prompt_len: int,
-               prompt: list[int] | None) -> GenerateChunk:
+               prompt: list[int] | None, cached: int) -> GenerateChunk:
         """vLLM's delta as a GenerateChunk; tokens after a stop string are dropped."""
         ids, finish = [], None
         for token in c.token_ids:
@@ -145,7 +147,8 @@ class VllmEngine:
         logprobs = tuple(self._logprob(t, lp, k) for t, lp in zip(ids, c.logprobs or ()))
         return GenerateChunk(text=detok.delta(finished=finish is not None), token_ids=tuple(ids),
                              logprobs=logprobs, finish_reason=finish, prompt_tokens=prompt_len,
-                             completion_tokens=count + len(ids), prompt_token_ids=tuple(prompt or ()))
+                             completion_tokens=count + len(ids), prompt_token_ids=tuple(prompt or ()),
+                             cached_tokens=cached)
 
     def _logprob(self, token: int, entries: dict, k: int) -> TokenLogprobInfo:
         """vLLM's {token id: Logprob} holds the top k by rank, plus the sampled token."""
