@@ -83,15 +83,15 @@ class VllmEngine:
         return self.llm is not None and not self.llm.errored
 
     def info(self) -> WorkerInfo:
+        """Load from this worker's own count of streams (vLLM's last stats may be stale once it is
+        idle); KV use from vLLM's last scheduler stats."""
         s = self.stats.get("latest")
-        running = s.num_running_reqs if s else min(self.streams, self.config.scheduler.max_num_seqs)
-        waiting = s.num_waiting_reqs if s else self.streams - running
-        used = round(s.kv_cache_usage * self.num_blocks) if s else 0
+        running = min(s.num_running_reqs if s else self.streams, self.streams, self.config.scheduler.max_num_seqs)
+        used = round(s.kv_cache_usage * self.num_blocks) if s and self.streams else 0
         return WorkerInfo(model_id=self.model_id, max_model_len=self.limits.max_model_len,
                           num_kv_blocks=self.num_blocks, kv_block_size=self.block_size,
                           num_free_kv_blocks=self.num_blocks - used, num_running=running,
-                          num_waiting=max(waiting, self.streams - running), dtype=self.dtype, role=self.role,
-                          compat=self.compat)
+                          num_waiting=self.streams - running, dtype=self.dtype, role=self.role, compat=self.compat)
 
     async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateChunk]:
         """Check, then stream from vLLM; every stream ends with a finish reason or an error."""
@@ -119,7 +119,10 @@ class VllmEngine:
                 except StopAsyncIteration:
                     return
                 except Exception as e:
-                    raise as_worker_error(e) from e
+                    error = as_worker_error(e)
+                    if error.status == 500:
+                        log.exception("vLLM failed request %s", request.request_id)
+                    raise error from e
                 c = out.outputs[0]
                 if c.finish_reason == "abort":    # Abort(): the gateway has gone already
                     return
