@@ -63,6 +63,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert dtype in (torch.float32, torch.bfloat16) and q.dtype == v_cache.dtype == dtype
     assert Dk == D and supports(D) and v_cache.shape == k_cache.shape and H % KV == 0 and H // KV <= 64
     assert block_tables.dtype == context_lens.dtype == torch.int64 and block_tables.shape[0] == B
+    assert block_size > 0 and block_size & (block_size - 1) == 0, "block_size: a power of two"
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     lib = _library()
     assert lib is not None, "kernel unavailable: use paged_decode_attention_ref"

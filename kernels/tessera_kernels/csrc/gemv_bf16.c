@@ -40,10 +40,16 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+/* Sum of the 16 lanes as a tree of shuffles (4 steps): a plain loop over the lanes is a chain
+ * of 16 dependent additions (the compiler may not reorder float sums), 4x slower here. */
 static inline float hsum(v16 a) {
-    float s = 0.0f;
-    for (int j = 0; j < 16; j++) s += a[j];
-    return s;
+    a += __builtin_shuffle(a, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    a += __builtin_shuffle(a, (v16i){4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
+    a += __builtin_shuffle(a, (v16i){2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
+    a += __builtin_shuffle(a, (v16i){1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0});
+    return a[0];
 }
 
 /* Column n of y for all M rows: one weight row streamed once. Inlined with M a constant

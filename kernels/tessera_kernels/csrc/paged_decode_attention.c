@@ -39,14 +39,32 @@ static inline void load_row(const void *head, int64_t slot, int D, int bf16, v16
     }
 }
 
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+/* Sum of the 16 lanes as a tree of shuffles (4 steps): a plain loop over the lanes is a chain
+ * of 16 dependent additions (the compiler may not reorder float sums), 4x slower here. */
 static inline float hsum(v16 a) {
-    float s = 0.0f;
-    for (int j = 0; j < 16; j++) s += a[j];
-    return s;
+    a += __builtin_shuffle(a, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    a += __builtin_shuffle(a, (v16i){4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
+    a += __builtin_shuffle(a, (v16i){2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
+    a += __builtin_shuffle(a, (v16i){1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0});
+    return a[0];
 }
 
+/* block_size is a power of two (CacheConfig checks): a shift and a mask, not a division,
+ * which would cost as much as the dot products of a row. */
 static inline int64_t slot_of(const int64_t *table, int64_t t, int block_size) {
-    return table[t / block_size] * block_size + t % block_size;
+    const int shift = __builtin_ctz((unsigned)block_size);
+    return (table[t >> shift] << shift) | (t & (block_size - 1));
+}
+
+/* The rows of a context sit in blocks scattered over a cache far larger than the CPU's, and
+ * a row's dot products take long enough that the core does not run ahead to the next loads by
+ * itself: ask for the row AHEAD tokens on now (measured: the kernel waited on these loads). */
+#define AHEAD 8
+static inline void prefetch_row(const void *head, int64_t slot, size_t row_bytes) {
+    const char *p = (const char *)head + slot * (int64_t)row_bytes;
+    for (size_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off);
 }
 
 /* q, out: float32 [B, H, D]; caches [KV, S, D] of float32 (bf16 = 0) or bfloat16 (bf16 = 1). */
@@ -70,8 +88,10 @@ void paged_decode_attention(const float *q, const void *k_cache, const void *v_c
             const char *vh = (const char *)v_cache + (int64_t)kv * S * D * elem;
             float maxs[64], sums[64];
             for (int g = 0; g < G; g++) maxs[g] = -INFINITY, sums[g] = 0.0f;
+            const int64_t *table = block_tables + (int64_t)b * W;
             for (int64_t t = 0; t < L; t++) {
-                load_row(kh, slot_of(block_tables + (int64_t)b * W, t, block_size), D, bf16, row);
+                if (t + AHEAD < L) prefetch_row(kh, slot_of(table, t + AHEAD, block_size), D * elem);
+                load_row(kh, slot_of(table, t, block_size), D, bf16, row);
                 for (int g = 0; g < G; g++) {
                     v16 a = qv[g * n] * row[0];
                     for (int i = 1; i < n; i++) a += qv[g * n + i] * row[i];
@@ -88,7 +108,8 @@ void paged_decode_attention(const float *q, const void *k_cache, const void *v_c
                 }
             memset(acc, 0, sizeof(float) * G * D);
             for (int64_t t = 0; t < L; t++) {
-                load_row(vh, slot_of(block_tables + (int64_t)b * W, t, block_size), D, bf16, row);
+                if (t + AHEAD < L) prefetch_row(vh, slot_of(table, t + AHEAD, block_size), D * elem);
+                load_row(vh, slot_of(table, t, block_size), D, bf16, row);
                 for (int g = 0; g < G; g++) {
                     float p = scores[g * L + t];
                     for (int i = 0; i < n; i++) acc[g * n + i] += p * row[i];
