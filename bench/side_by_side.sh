@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Tessera against the servers a user would otherwise pick, on this machine, one server at a
+# time, the same client (`tessera bench serve`) and workload: 64 prompts x 128 in / 128 out all
+# at once, then 8 prompts one at a time; greedy, ignore_eos, bf16 weights of SmolLM2-135M.
+#   bash bench/side_by_side.sh [tessera|tessera-vllm|vllm|transformers]...   (default: all four)
+# Results: $OUT/<server>-{64,c1}.json (default OUT=/tmp/side_by_side). Needs `make setup-dev`;
+# tessera-vllm and vllm need `make setup-vllm`; vllm uses ../shared/peers/vllm_cli.py (vLLM's
+# own CLI, which asks for the version of a distribution named `vllm`) where present.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/side_by_side}
+T=.venv/bin/tessera
+mkdir -p "$OUT"
+export HF_HUB_OFFLINE=1
+
+wait_up() {   # port: until GET /v1/models answers (10 min at most)
+  for _ in $(seq 600); do curl -sf --noproxy '*' "http://127.0.0.1:$1/v1/models" > /dev/null && return 0; sleep 1; done
+  echo "server on port $1 did not come up" >&2; return 1
+}
+
+stop() {      # pid: SIGTERM, then wait for the whole group
+  kill -TERM -- "-$1" 2>/dev/null || kill -TERM "$1" 2>/dev/null || true
+  wait "$1" 2>/dev/null || true
+}
+
+bench() {     # name port (the model: the first one the server lists)
+  $T bench serve --base-url "http://127.0.0.1:$2" --num-prompts 64 --input-len 128 \
+      --output-len 128 --json > "$OUT/$1-64.json" 2> "$OUT/$1-64.err"
+  $T bench serve --base-url "http://127.0.0.1:$2" --num-prompts 8 --concurrency 1 \
+      --input-len 128 --output-len 128 --json > "$OUT/$1-c1.json" 2> "$OUT/$1-c1.err"
+  echo "$1: $(grep -h -m1 '"output_tok_s"' "$OUT/$1-64.json")"
+}
+
+run_tessera() {
+  setsid $T serve --dtype bfloat16 --port 8100 > "$OUT/tessera.log" 2>&1 & local pid=$!
+  wait_up 8100 && bench tessera 8100
+  stop $pid
+}
+
+run_tessera_vllm() {   # the gateway in front of one vLLM-engine worker holding both cores
+  cat > "$OUT/vllm-engine.yaml" <<YAML
+name: vllm-engine
+model: smollm2
+dtype: bfloat16
+roles:
+  redis: {port: 6379}
+  worker: {engine: vllm, replicas: 1, port: 50151, threads: 2, max_num_seqs: 64}
+  gateway: {replicas: 1, port: 8101}
+YAML
+  setsid $T up "$OUT/vllm-engine.yaml" > "$OUT/tessera-vllm.log" 2>&1 & local pid=$!
+  wait_up 8101 && bench tessera-vllm 8101
+  stop $pid
+}
+
+run_vllm() {           # vLLM's own server on the same weights (HF directory written by the vLLM worker)
+  local model
+  model=$(.venv-vllm/bin/python -c "from tessera.vllm_backend.hf_export import hf_directory; print(hf_directory('smollm2'))")
+  local cli=../shared/peers/vllm_cli.py
+  VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2 VLLM_HOST_IP=127.0.0.1 \
+    setsid .venv-vllm/bin/python "$cli" serve "$model" --dtype bfloat16 --host 127.0.0.1 --port 8102 \
+    --max-model-len 1024 --served-model-name smollm2 > "$OUT/vllm.log" 2>&1 & local pid=$!
+  wait_up 8102 && bench vllm 8102
+  stop $pid
+}
+
+run_transformers() {   # in-process generate on the same dense weights, no HTTP
+  $T bench engine --batch-sizes "" --hf-reference 1,64 --hf-dtype bfloat16 --input-len 128 \
+      --output-len 128 --json > "$OUT/transformers.json"
+  echo "transformers: $(tr -d '\n ' < "$OUT/transformers.json")"
+}
+
+for s in "${@:-tessera tessera-vllm vllm transformers}"; do
+  for one in $s; do "run_${one//-/_}"; done
+done

@@ -1,0 +1,33 @@
+"""Where a decode step's time goes, at a batch size: the engine's pieces wrapped in wall-clock
+timers (on the CPU nothing runs asynchronously, so a timer around a call is its cost).
+    .venv/bin/python bench/step_breakdown.py 64      # bfloat16, 2 threads, context ~190
+"""
+import sys, time, collections, torch
+from tessera.config import EngineConfig, SamplingParams
+from tessera.engine import Engine
+import tessera.layers.linear as L, tessera.layers.attention as A, tessera.models.llama as LL, tessera.engine as E
+import tessera.models.driver as D, tessera.batch as BT, tessera.model_runner as MR
+acc = collections.Counter()
+def timed(name, f):
+    def g(*a, **k):
+        t = time.perf_counter(); r = f(*a, **k); acc[name] += time.perf_counter() - t; return r
+    return g
+L.Linear.forward = timed("linears (qkv, o, gate_up, down, lm_head)", L.Linear.forward)
+LL.paged_attention = timed("attention (KV write + paged decode kernel)", A.paged_attention)
+E.sample = timed("sampling", E.sample)
+MR.build_forward_batch = timed("batch tensors (build_forward_batch)", MR.build_forward_batch)
+B = int(sys.argv[1])
+e = Engine(EngineConfig(dtype="bfloat16", num_threads=2))
+g = torch.Generator().manual_seed(B)
+for p in torch.randint(100, 40000, (B, 128), generator=g).tolist():
+    e.add_request(p, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+while e.scheduler.waiting or any(r.num_computed_tokens < 128 for r in e.scheduler.running): e.step()
+for _ in range(64): e.step()      # contexts ~ 128 + 64: the middle of a 128/128 run
+acc.clear(); n = 20; t = time.perf_counter()
+for _ in range(n): e.step()
+total = (time.perf_counter() - t) / n
+print(f"batch {B}: decode step {total*1e3:.1f} ms")
+for k, v in acc.most_common():
+    print(f"  {k}: {v/n*1e3:.1f} ms ({v/n/total:.0%})")
+rest = total - sum(acc.values()) / n
+print(f"  rest (norms, RoPE, residuals, SwiGLU activation, scheduler, detokenizer, Python): {rest*1e3:.1f} ms ({rest/total:.0%})")
