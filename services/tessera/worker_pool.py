@@ -145,6 +145,7 @@ class _Progress:
     def __init__(self) -> None:
         self.prompt: list[int] | None = None
         self.prompt_tokens = 0
+        self.cached_tokens = 0
         self.generated: list[int] = []
         self.text_sent = 0
         self.compat: str | None = None     # every attempt runs on replicas with this hash
@@ -164,8 +165,13 @@ class _Progress:
     def seen(self, chunk: GenerateChunk) -> GenerateChunk:
         if self.prompt is None:
             self.prompt, self.prompt_tokens = list(chunk.prompt_token_ids), chunk.prompt_tokens
+            self.cached_tokens = chunk.cached_tokens
         elif chunk.prompt_token_ids:     # a resumed attempt's first chunk: the client saw the prompt
             chunk = dataclasses.replace(chunk, prompt_token_ids=())
+        if chunk.cached_tokens != self.cached_tokens:
+            # usage reports what the first attempt's prefix cache served: a resumed attempt
+            # re-reads prompt + output on another worker, and its hit there is not the request's
+            chunk = dataclasses.replace(chunk, cached_tokens=self.cached_tokens)
         self.generated.extend(chunk.token_ids)
         self.text_sent += len(chunk.text)
         if self.spec_before != (0, 0):     # a resumed attempt: its worker counted from 0
