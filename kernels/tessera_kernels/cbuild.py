@@ -1,7 +1,7 @@
 """Build a C kernel from csrc/ on first use and load it with ctypes.
 
 The source is compiled with the host's C compiler (-O3 -march=native -fopenmp) into a cache
-directory keyed by the source, the flags and the CPU, so a machine with other vector units
+directory keyed by the source, the shared headers (csrc/*.h), the flags and the CPU, so a machine with other vector units
 (AVX2 only, AVX-512, AMX) builds its own. ctypes releases the GIL during a call. Where no
 compiler is found or the build fails, load() returns None and callers use their torch path;
 TESSERA_DISABLE_CPU_KERNELS=1 does the same on purpose (for A/B measurements).
@@ -37,7 +37,8 @@ def _build(name: str) -> ctypes.CDLL | None:
     if cc is None:
         return None
     src = _CSRC / f"{name}.c"
-    key = hashlib.sha256(src.read_bytes() + " ".join(_FLAGS).encode() + _cpu_id()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(_CSRC.glob("*.h")))
+    key = hashlib.sha256(src.read_bytes() + headers + " ".join(_FLAGS).encode() + _cpu_id()).hexdigest()[:16]
     cache = pathlib.Path(os.environ.get("TESSERA_CACHE", pathlib.Path.home() / ".cache" / "tessera"))
     so = cache / "kernels" / f"{name}-{key}.so"
     try:

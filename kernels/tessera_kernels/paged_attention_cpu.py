@@ -56,7 +56,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            block_size: int, scale: float) -> torch.Tensor:
     """The C kernel; same contract as paged_decode_attention_ref. The caches are float32 or
-    bfloat16; q and the result are in the caches' dtype, the arithmetic is float32."""
+    bfloat16; q and the result are in the caches' dtype (the kernel reads and writes them as
+    they are), the arithmetic is float32."""
     B, H, D = q.shape
     KV, S, Dk = k_cache.shape
     dtype = k_cache.dtype
@@ -67,12 +68,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     lib = _library()
     assert lib is not None, "kernel unavailable: use paged_decode_attention_ref"
-    q32 = q.float().contiguous()
+    q = q.contiguous()
     block_tables = block_tables.contiguous()
     context_lens = context_lens.contiguous()
-    out = torch.empty_like(q32)
-    lib.paged_decode_attention(q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+    out = torch.empty_like(q)
+    lib.paged_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(),
                                B, H, KV, D, block_tables.shape[1], block_size, S, scale,
                                torch.get_num_threads(), int(dtype == torch.bfloat16))
-    return out.to(dtype)
+    return out

@@ -10,47 +10,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "vec16.h"
+
 #define MAX_ROWS 4
-
-typedef float v16 __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-
-static inline v16 widen(const uint16_t *p) {
-    v16h h;
-    memcpy(&h, p, sizeof h);
-    v16u w = __builtin_convertvector(h, v16u) << 16;
-    v16 f;
-    memcpy(&f, &w, sizeof f);
-    return f;
-}
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);   /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-typedef int32_t v16i __attribute__((vector_size(64)));
-
-/* Sum of the 16 lanes as a tree of shuffles (4 steps): a plain loop over the lanes is a chain
- * of 16 dependent additions (the compiler may not reorder float sums), 4x slower here. */
-static inline float hsum(v16 a) {
-    a += __builtin_shuffle(a, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    a += __builtin_shuffle(a, (v16i){4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
-    a += __builtin_shuffle(a, (v16i){2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
-    a += __builtin_shuffle(a, (v16i){1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0});
-    return a[0];
-}
 
 /* Column n of y for all M rows: one weight row streamed once. Inlined with M a constant
  * (see gemv_bf16), so the M accumulators live in registers (with M a variable they spill,

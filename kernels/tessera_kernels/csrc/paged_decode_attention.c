@@ -7,49 +7,41 @@
  *
  * Each (request, KV head) pair is one task: its K and V rows are read once, straight from
  * the paged cache, for all the query heads that share them; nothing is gathered or copied.
- * A bfloat16 row is widened into a small float32 buffer first: bf16 is the top half of a
- * float32, so widening is a 16-bit shift, which the compiler vectorizes (AVX2 or AVX-512);
- * the dot products and the softmax then run on the same float32 code for both dtypes.
+ * q and out are in the cache's dtype. Scores are made 16 tokens at a time: each token's dot
+ * product is left as 16 partial sums, and the 16 tokens' partials are summed together by one
+ * transposing tree of shuffles (15 steps for 16 scores, where a sum per token takes 64).
+ * The softmax's exponentials are 16 at a time too (vec16.h). Measured on AMD EPYC Zen 5, 2
+ * threads, batch 64, context ~190, SmolLM2's 30 layers: 18.1 ms before these two changes and
+ * the bf16 dot products below, 10.4 ms after.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_HEAD_DIM 256   /* and head_dim % 16 == 0: the wrapper checks both */
+#include "vec16.h"
 
-/* Sixteen float32 lanes: one AVX-512 register, or two AVX2 ones (the compiler splits it). */
-typedef float v16 __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-
-/* Row `slot` of a [S, D] cache head as float32, in buf (D a multiple of 16): copied for
- * float32, widened for bf16 (bf16 is the top half of a float32: a 16-bit shift). */
-static inline void load_row(const void *head, int64_t slot, int D, int bf16, v16 *buf) {
-    if (!bf16) {
-        memcpy(buf, (const float *)head + slot * D, sizeof(float) * D);
-        return;
-    }
-    const uint16_t *src = (const uint16_t *)head + slot * D;
-    for (int i = 0; i < D / 16; i++) {
-        v16h h;
-        memcpy(&h, src + 16 * i, sizeof h);
-        v16u w = __builtin_convertvector(h, v16u) << 16;
-        memcpy(&buf[i], &w, sizeof w);
-    }
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+/* AVX512-BF16: a bf16 query row times a bf16 key row, 32 products per instruction summed in
+ * pairs into float32 lanes (the products are exact in float32), no widening. */
+static inline v16 dot_bf16(const uint16_t *q, const uint16_t *k, int D) {
+    __m512 a = _mm512_setzero_ps();
+    for (int i = 0; i < D; i += 32)
+        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(q + i), (__m512bh)_mm512_loadu_si512(k + i));
+    v16 r;
+    memcpy(&r, &a, sizeof r);
+    return r;
 }
+#define HAVE_DOT_BF16 1
+#else
+#define HAVE_DOT_BF16 0
+#endif
 
-typedef int32_t v16i __attribute__((vector_size(64)));
-
-/* Sum of the 16 lanes as a tree of shuffles (4 steps): a plain loop over the lanes is a chain
- * of 16 dependent additions (the compiler may not reorder float sums), 4x slower here. */
-static inline float hsum(v16 a) {
-    a += __builtin_shuffle(a, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    a += __builtin_shuffle(a, (v16i){4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
-    a += __builtin_shuffle(a, (v16i){2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
-    a += __builtin_shuffle(a, (v16i){1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0});
-    return a[0];
-}
+/* The rows of a context sit in blocks scattered over a cache far larger than the CPU's, and
+ * a row's dot products take long enough that the core does not run ahead to the next loads by
+ * itself: ask for the row AHEAD tokens on now (measured: the kernel waited on these loads). */
+#define AHEAD 16
 
 /* block_size is a power of two (CacheConfig checks): a shift and a mask, not a division,
  * which would cost as much as the dot products of a row. */
@@ -58,70 +50,148 @@ static inline int64_t slot_of(const int64_t *table, int64_t t, int block_size) {
     return (table[t >> shift] << shift) | (t & (block_size - 1));
 }
 
-/* The rows of a context sit in blocks scattered over a cache far larger than the CPU's, and
- * a row's dot products take long enough that the core does not run ahead to the next loads by
- * itself: ask for the row AHEAD tokens on now (measured: the kernel waited on these loads). */
-#define AHEAD 8
-static inline void prefetch_row(const void *head, int64_t slot, size_t row_bytes) {
-    const char *p = (const char *)head + slot * (int64_t)row_bytes;
+static inline void prefetch_row(const char *head, int64_t slot, size_t row_bytes) {
+    const char *p = head + slot * (int64_t)row_bytes;
     for (size_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off);
 }
 
-/* q, out: float32 [B, H, D]; caches [KV, S, D] of float32 (bf16 = 0) or bfloat16 (bf16 = 1). */
-void paged_decode_attention(const float *q, const void *k_cache, const void *v_cache,
-                            const int64_t *block_tables, const int64_t *context_lens,
-                            float *out, int B, int H, int KV, int D, int W, int block_size,
-                            int64_t S, float scale, int num_threads, int bf16) {
-    const int G = H / KV;
-    const size_t elem = bf16 ? 2 : 4;
-    #pragma omp parallel for collapse(2) schedule(dynamic) num_threads(num_threads)
-    for (int b = 0; b < B; b++) {
-        for (int kv = 0; kv < KV; kv++) {
-            const int64_t L = context_lens[b];
-            const int n = D / 16;
-            const size_t score_bytes = (sizeof(float) * (size_t)(G * L) + 63) / 64 * 64;
-            v16 *qv = (v16 *)aligned_alloc(64, 2 * sizeof(v16) * G * n + score_bytes);
-            v16 *acc = qv + G * n, row[MAX_HEAD_DIM / 16];
-            float *scores = (float *)(acc + G * n);
-            memcpy(qv, q + ((int64_t)b * H + (int64_t)kv * G) * D, sizeof(float) * G * D);
-            const char *kh = (const char *)k_cache + (int64_t)kv * S * D * elem;
-            const char *vh = (const char *)v_cache + (int64_t)kv * S * D * elem;
-            float maxs[64], sums[64];
-            for (int g = 0; g < G; g++) maxs[g] = -INFINITY, sums[g] = 0.0f;
-            const int64_t *table = block_tables + (int64_t)b * W;
-            for (int64_t t = 0; t < L; t++) {
-                if (t + AHEAD < L) prefetch_row(kh, slot_of(table, t + AHEAD, block_size), D * elem);
-                load_row(kh, slot_of(table, t, block_size), D, bf16, row);
-                for (int g = 0; g < G; g++) {
-                    v16 a = qv[g * n] * row[0];
-                    for (int i = 1; i < n; i++) a += qv[g * n + i] * row[i];
-                    float s = hsum(a) * scale;
-                    scores[g * L + t] = s;
-                    if (s > maxs[g]) maxs[g] = s;
-                }
+/* Row `slot` of a [S, D] cache head as float32 lanes in buf (D a multiple of 16). */
+static inline void load_row(const char *head, int64_t slot, int D, int bf16, v16 *buf) {
+    if (bf16) {
+        const uint16_t *src = (const uint16_t *)head + slot * D;
+        for (int i = 0; i < D / 16; i++) buf[i] = widen(src + 16 * i);
+    } else {
+        const float *src = (const float *)head + slot * D;
+        for (int i = 0; i < D / 16; i++) buf[i] = load16(src + 16 * i);
+    }
+}
+
+/* Two vectors folded into one, each keeping half its lanes' sums: lanes of `a` fill the low
+ * half of every 2w-lane block, lanes of `b` the high half. */
+#define FOLD(a, b, lo, hi) (__builtin_shuffle(a, b, (v16i)lo) + __builtin_shuffle(a, b, (v16i)hi))
+#define M8L {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}
+#define M8H {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}
+#define M4L {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}
+#define M4H {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}
+#define M2L {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}
+#define M2H {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}
+#define M1L {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}
+#define M1H {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}
+
+/* Lane j of the result: the sum of the 16 lanes of r[bitrev4(j)] (the tree's pairing puts
+ * input i at lane bitrev4(i), so callers store token j's partials at r[bitrev4(j)]). */
+static inline v16 sum16x16(const v16 *r) {
+    v16 x[8], y[4], z[2];
+    for (int i = 0; i < 8; i++) x[i] = FOLD(r[2 * i], r[2 * i + 1], M8L, M8H);
+    for (int i = 0; i < 4; i++) y[i] = FOLD(x[2 * i], x[2 * i + 1], M4L, M4H);
+    for (int i = 0; i < 2; i++) z[i] = FOLD(y[2 * i], y[2 * i + 1], M2L, M2H);
+    return FOLD(z[0], z[1], M1L, M1H);
+}
+
+static const int BITREV4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+/* One task: request b's query heads [kv*G, kv*G + G) over its L tokens of KV head kv. */
+static void attend(const v16 *qv, const uint16_t *qh, const char *kh, const char *vh, const int64_t *table, int64_t L,
+                   int G, int D, int block_size, float scale, int bf16, size_t row_bytes,
+                   v16 *acc, v16 *part, float *scores, int64_t Lp) {
+    const int n = D / 16;
+    v16 row[16];    /* D <= 256 */
+    v16 maxv[64];
+    for (int g = 0; g < G; g++) maxv[g] = (v16){0} - INFINITY;
+    for (int64_t t0 = 0; t0 < L; t0 += 16) {
+        const int m = L - t0 < 16 ? (int)(L - t0) : 16;
+        for (int j = 0; j < 16; j++) {
+            if (j >= m) {
+                for (int g = 0; g < G; g++) part[g * 16 + BITREV4[j]] = (v16){0};
+                continue;
             }
-            for (int g = 0; g < G; g++)
-                for (int64_t t = 0; t < L; t++) {
-                    float p = expf(scores[g * L + t] - maxs[g]);
-                    scores[g * L + t] = p;
-                    sums[g] += p;
-                }
-            memset(acc, 0, sizeof(float) * G * D);
-            for (int64_t t = 0; t < L; t++) {
-                if (t + AHEAD < L) prefetch_row(vh, slot_of(table, t + AHEAD, block_size), D * elem);
-                load_row(vh, slot_of(table, t, block_size), D, bf16, row);
-                for (int g = 0; g < G; g++) {
-                    float p = scores[g * L + t];
-                    for (int i = 0; i < n; i++) acc[g * n + i] += p * row[i];
-                }
+            const int64_t t = t0 + j;
+            if (t + AHEAD < L) prefetch_row(kh, slot_of(table, t + AHEAD, block_size), row_bytes);
+#if HAVE_DOT_BF16
+            if (qh != NULL) {
+                const uint16_t *k = (const uint16_t *)kh + slot_of(table, t, block_size) * D;
+                for (int g = 0; g < G; g++) part[g * 16 + BITREV4[j]] = dot_bf16(qh + g * D, k, D);
+                continue;
             }
-            float *ob = out + ((int64_t)b * H + (int64_t)kv * G) * D;
-            for (int g = 0; g < G; g++)
-                for (int i = 0; i < n; i++) {
-                    v16 o = acc[g * n + i] / sums[g];
-                    memcpy(ob + g * D + 16 * i, &o, sizeof o);
-                }
-            free(qv);
+#endif
+            load_row(kh, slot_of(table, t, block_size), D, bf16, row);
+            for (int g = 0; g < G; g++) {
+                v16 a = qv[g * n] * row[0];
+                for (int i = 1; i < n; i++) a += qv[g * n + i] * row[i];
+                part[g * 16 + BITREV4[j]] = a;
+            }
         }
+        for (int g = 0; g < G; g++) {
+            v16 s = sum16x16(part + g * 16) * scale;
+            for (int j = m; j < 16; j++) s[j] = -INFINITY;
+            memcpy(scores + g * Lp + t0, &s, sizeof s);
+            maxv[g] = vmax(maxv[g], s);
+        }
+    }
+    float sums[64];
+    for (int g = 0; g < G; g++) {
+        const float mx = hmax(maxv[g]);
+        v16 sv = {0};
+        for (int64_t t0 = 0; t0 < L; t0 += 16) {
+            v16 s;
+            memcpy(&s, scores + g * Lp + t0, sizeof s);
+            v16 p = exp16(s - mx);
+            for (int j = L - t0 < 16 ? (int)(L - t0) : 16; j < 16; j++) p[j] = 0.0f;
+            memcpy(scores + g * Lp + t0, &p, sizeof p);
+            sv += p;
+        }
+        sums[g] = hsum(sv);
+    }
+    memset(acc, 0, sizeof(v16) * G * n);
+    for (int64_t t = 0; t < L; t++) {
+        if (t + AHEAD < L) prefetch_row(vh, slot_of(table, t + AHEAD, block_size), row_bytes);
+        load_row(vh, slot_of(table, t, block_size), D, bf16, row);
+        for (int g = 0; g < G; g++) {
+            const float p = scores[g * Lp + t];
+            for (int i = 0; i < n; i++) acc[g * n + i] += p * row[i];
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < n; i++) acc[g * n + i] /= sums[g];
+}
+
+/* q, out: [B, H, D] and caches [KV, S, D], all float32 (bf16 = 0) or all bfloat16 (bf16 = 1). */
+void paged_decode_attention(const void *q, const void *k_cache, const void *v_cache,
+                            const int64_t *block_tables, const int64_t *context_lens,
+                            void *out, int B, int H, int KV, int D, int W, int block_size,
+                            int64_t S, float scale, int num_threads, int bf16) {
+    const int G = H / KV, n = D / 16;
+    const size_t elem = bf16 ? 2 : 4, row_bytes = D * elem;
+    int64_t max_len = 0;
+    for (int b = 0; b < B; b++) max_len = context_lens[b] > max_len ? context_lens[b] : max_len;
+    const int64_t Lp = (max_len + 15) / 16 * 16;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        /* Per thread: query and accumulator lanes, partial sums, the scores of one task. */
+        v16 *qv = (v16 *)aligned_alloc(64, sizeof(v16) * (2 * G * n + 16 * G) + sizeof(float) * G * Lp + 64);
+        v16 *acc = qv + G * n, *part = acc + G * n;
+        float *scores = (float *)(part + 16 * G);
+        #pragma omp for collapse(2) schedule(dynamic)
+        for (int b = 0; b < B; b++) {
+            for (int kv = 0; kv < KV; kv++) {
+                const int64_t head0 = (int64_t)b * H + (int64_t)kv * G;
+                for (int g = 0; g < G; g++)
+                    load_row((const char *)q, head0 + g, D, bf16, qv + g * n);
+                const uint16_t *qh = bf16 && D % 32 == 0 && HAVE_DOT_BF16 ? (const uint16_t *)q + head0 * D : NULL;
+                attend(qv, qh, (const char *)k_cache + (int64_t)kv * S * row_bytes,
+                       (const char *)v_cache + (int64_t)kv * S * row_bytes, block_tables + (int64_t)b * W,
+                       context_lens[b], G, D, block_size, scale, bf16, row_bytes, acc, part, scores, Lp);
+                for (int g = 0; g < G; g++) {
+                    const float *a = (const float *)(acc + g * n);
+                    if (bf16) {
+                        uint16_t *o = (uint16_t *)out + (head0 + g) * D;
+                        for (int i = 0; i < D; i++) o[i] = f32_to_bf16(a[i]);
+                    } else {
+                        memcpy((float *)out + (head0 + g) * D, a, sizeof(float) * D);
+                    }
+                }
+            }
+        }
+        free(qv);
     }
 }

@@ -1,0 +1,93 @@
+/* Sixteen float32 lanes and the bf16 helpers the CPU kernels share. A v16 is one AVX-512
+ * register, or two AVX2 ones (the compiler splits it), so every kernel has one source for
+ * both kinds of machine. bf16 is the top half of a float32: widening is a 16-bit shift. */
+#ifndef TESSERA_VEC16_H
+#define TESSERA_VEC16_H
+
+#include <stdint.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+static inline v16 widen(const uint16_t *p) {
+    v16h h;
+    memcpy(&h, p, sizeof h);
+    v16u w = __builtin_convertvector(h, v16u) << 16;
+    v16 f;
+    memcpy(&f, &w, sizeof f);
+    return f;
+}
+
+static inline v16 load16(const float *p) {
+    v16 f;
+    memcpy(&f, p, sizeof f);
+    return f;
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, as torch rounds float32 to bf16. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);   /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Sum of the 16 lanes as a tree of shuffles (4 steps): a plain loop over the lanes is a chain
+ * of 16 dependent additions (the compiler may not reorder float sums), 4x slower here. */
+static inline float hsum(v16 a) {
+    a += __builtin_shuffle(a, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    a += __builtin_shuffle(a, (v16i){4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
+    a += __builtin_shuffle(a, (v16i){2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
+    a += __builtin_shuffle(a, (v16i){1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0});
+    return a[0];
+}
+
+static inline v16 vmax(v16 a, v16 b) {
+    v16i gt = a > b;
+    v16i ai, bi;
+    memcpy(&ai, &a, sizeof ai);
+    memcpy(&bi, &b, sizeof bi);
+    v16i r = (gt & ai) | (~gt & bi);
+    memcpy(&a, &r, sizeof a);
+    return a;
+}
+
+static inline float hmax(v16 a) {
+    a = vmax(a, __builtin_shuffle(a, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+    a = vmax(a, __builtin_shuffle(a, (v16i){4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3}));
+    a = vmax(a, __builtin_shuffle(a, (v16i){2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1}));
+    a = vmax(a, __builtin_shuffle(a, (v16i){1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0}));
+    return a[0];
+}
+
+/* e^x for x <= 0 (a softmax's scores minus their max), 16 at a time: x = n ln2 + r with
+ * |r| <= ln2/2, e^r by Cephes' expf polynomial (about 1 ulp), 2^n put into the exponent
+ * bits. Below -87 (where float32 e^x is denormal or zero) the result is e^-87, about 1e-38. */
+static inline v16 exp16(v16 x) {
+    x = vmax(x, (v16){0} - 87.0f);
+    v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;   /* round to nearest */
+    v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;                 /* ln2 in two parts */
+    v16 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
+    v16 scale;
+    memcpy(&scale, &e, sizeof scale);
+    return p * scale;
+}
+
+#endif
