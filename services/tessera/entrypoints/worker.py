@@ -72,7 +72,7 @@ async def serve(config: EngineConfig, host: str, port: int, build=None, role: st
     registration = (redis url, key prefix, advertised address) registers it with heartbeats;
     metrics_port serves the worker's Prometheus metrics over HTTP. Serves until SIGTERM or
     SIGINT, then drains (see _drain)."""
-    engine = engine or AsyncEngine(build() if build is not None else _warmed(Engine(config)), role=role)
+    engine = engine or AsyncEngine(build or (lambda: _warmed(Engine(config))), role=role)
     if metrics_port:
         from tessera.metrics import serve_worker_metrics
         serve_worker_metrics(engine, role, metrics_port, host)
