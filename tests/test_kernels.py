@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from tessera_kernels import gemv_cpu
+from tessera.layers.norm import rms_norm_low_precision
+from tessera_kernels import elementwise_cpu, gemv_cpu
 from tessera_kernels import paged_attention_cpu as pa
 
 pytestmark = pytest.mark.kernels
@@ -71,3 +73,50 @@ def test_gemv_applies_only_to_few_bf16_rows():
     assert not gemv_cpu.applies(torch.zeros(0, 32, dtype=torch.bfloat16), w)  # a step sampling nothing
     assert not gemv_cpu.applies(torch.zeros(1, 32), w.float())
     assert not gemv_cpu.applies(torch.zeros(1, 24, dtype=torch.bfloat16), torch.zeros(8, 24, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(elementwise_cpu._library() is None, reason="no C compiler for the CPU kernel")
+@pytest.mark.parametrize("T,N", [(1, 576), (7, 64), (64, 1536)])
+def test_rms_norm_bf16_equals_the_torch_layer(T, N):
+    """Same roundings as HF's bf16 RMSNorm; rows read through a stride (a slice of a wider row)."""
+    g = torch.Generator().manual_seed(T * N)
+    wide = (torch.randn(T, N + 32, generator=g) * 3).bfloat16()
+    x = wide[:, 16:16 + N]
+    w = (torch.rand(N, generator=g) + 0.5).bfloat16()
+    out = elementwise_cpu.rms_norm(x, w, 1e-5)
+    ref = rms_norm_low_precision(x, w, 1e-5)
+    assert _bf16_ulps(out, ref) <= 1 and (out == ref).float().mean() >= 0.999
+
+
+@pytest.mark.skipif(elementwise_cpu._library() is None, reason="no C compiler for the CPU kernel")
+@pytest.mark.parametrize("T,I", [(1, 1536), (5, 16), (64, 256)])
+def test_silu_mul_bf16_equals_torch(T, I):
+    g = torch.Generator().manual_seed(T + I)
+    gate_up = (torch.randn(T, 2 * I, generator=g) * 6).bfloat16()
+    gate_up[0, :4] = torch.tensor([0.0, -0.0, 90.0, -90.0])          # zero, and far into both tails
+    gate, up = gate_up.chunk(2, dim=-1)
+    ref = F.silu(gate) * up
+    out = elementwise_cpu.silu_mul(gate_up)
+    assert _bf16_ulps(out, ref) <= 1 and (out == ref).float().mean() >= 0.999
+
+
+@pytest.mark.skipif(elementwise_cpu._library() is None, reason="no C compiler for the CPU kernel")
+@pytest.mark.parametrize("T,heads,D", [(1, 12, 64), (9, 3, 128), (4, 1, 32)])
+def test_rope_bf16_in_place_equals_torch(T, heads, D):
+    """Rotated in place inside a wider row (query and key heads of a fused qkv output)."""
+    g = torch.Generator().manual_seed(T * heads + D)
+    qkv = torch.randn(T, (heads + 2) * D, generator=g).bfloat16()
+    x = qkv[:, :heads * D].view(T, heads, D)
+    tail = qkv[:, heads * D:].clone()
+    cos = torch.randn(T, 1, D, generator=g).bfloat16()
+    sin = torch.randn(T, 1, D, generator=g).bfloat16()
+    ref = x * cos + x.roll(D // 2, dims=-1) * sin
+    out = elementwise_cpu.rope_(x, cos, sin)
+    assert out.data_ptr() == qkv.data_ptr() and torch.equal(out, ref)
+    assert torch.equal(qkv[:, heads * D:], tail)
+
+
+def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The largest distance between a and b in bf16 steps (same-sign values)."""
+    ai, bi = a.view(torch.int16).int(), b.view(torch.int16).int()
+    return int((ai - bi).abs().max())

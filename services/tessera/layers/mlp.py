@@ -6,6 +6,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.layers.linear import Linear
+from tessera_kernels import elementwise_cpu
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for rows [gate | up]; bf16 rows on the CPU in one C pass (same roundings)."""
+    if gate_up.dim() == 2 and not gate_up.requires_grad and elementwise_cpu.applies(gate_up, gate_up.shape[-1] // 2):
+        return elementwise_cpu.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class SwiGLU(nn.Module):
@@ -17,8 +26,7 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=False, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
     def columns(self, i0: int, i1: int) -> "SwiGLU":
         """A new SwiGLU of intermediate columns [i0, i1) (weights copied): the MLP is a sum over

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tessera_kernels import elementwise_cpu
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -14,5 +16,13 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        normed = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
-        return self.weight * normed.to(x.dtype)     # rounded to x's dtype before the weight, as HF does
+        if (x.dim() == 2 and self.weight.dtype == x.dtype and not self.weight.requires_grad
+                and elementwise_cpu.applies(x, x.shape[-1])):
+            return elementwise_cpu.rms_norm(x, self.weight, self.eps)   # the same roundings, one pass
+        return rms_norm_low_precision(x, self.weight, self.eps)
+
+
+def rms_norm_low_precision(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Statistics in float32, the normalized x rounded to x's dtype before the weight, as HF does."""
+    normed = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), None, eps)
+    return weight * normed.to(x.dtype)

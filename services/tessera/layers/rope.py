@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tessera_kernels import elementwise_cpu
+
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
@@ -30,5 +32,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D] (query and key heads side by side) rotated by the per-token angles."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+    """x: [T, heads, D] (query and key heads side by side) rotated by the per-token angles.
+    bf16 on the CPU is rotated in place by one C pass with the same roundings; callers use
+    the result, never x afterwards."""
+    D = x.shape[-1]
+    if (D % 32 == 0 and x.stride(1) == D and not x.requires_grad and cos.dtype == x.dtype
+            and cos.is_contiguous() and sin.is_contiguous() and elementwise_cpu.applies(x, D)):
+        return elementwise_cpu.rope_(x, cos, sin)
+    return x * cos + x.roll(D // 2, dims=-1) * sin
