@@ -105,8 +105,9 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous batching limits: tokens per step (chunked prefill) and running requests."""
 
-    max_num_batched_tokens: int = field(default=512, metadata={
-        "help": "tokens per engine step (longer prompts are prefilled in chunks)"})
+    max_num_batched_tokens: int = field(default=2048, metadata={
+        "help": "tokens per engine step (longer prompts are prefilled in chunks); 2048, as vLLM's "
+                "server uses"})
     max_num_seqs: int = field(default=64, metadata={"help": "requests running at once"})
     max_waiting: int = field(default=1024, metadata={
         "help": "queued requests before the worker answers Saturated (HTTP 503)"})
