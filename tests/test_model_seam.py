@@ -63,7 +63,9 @@ def causal(start: int, n: int) -> torch.Tensor:
 @torch.inference_mode()
 def test_explicit_causal_masks_and_positions_equal_the_implicit_ones(model):
     """A step with a fresh prefill, a prefill chunk over cached context and a decode token:
-    passing each chunk's causal mask and the batch's positions explicitly changes nothing."""
+    passing each chunk's causal mask and the batch's positions explicitly changes nothing
+    beyond float32 rounding (implicit causal tokens may run in the paged kernel, explicitly
+    masked chunks run in SDPA: the same sums in another order)."""
     kv = fresh_kv(model)
     forward(model, build_forward_batch(StepPlan((entry(0, PROMPTS[0][:5], 0), entry(2, PROMPTS[2], 0))), BLOCK), kv)
     plan = StepPlan((entry(0, PROMPTS[0][5:], 5), entry(1, PROMPTS[1], 0), entry(2, [7], len(PROMPTS[2]))))
@@ -72,7 +74,7 @@ def test_explicit_causal_masks_and_positions_equal_the_implicit_ones(model):
     implicit = forward(model, batch, [(k.clone(), v.clone()) for k, v in kv])
     explicit = forward(model, batch, kv, positions=batch.positions.clone(), masks=masks)
     assert len(batch.prefills) == 2 and batch.decode_token_idx.numel() == 1
-    torch.testing.assert_close(explicit, implicit, rtol=0, atol=1e-6)
+    torch.testing.assert_close(explicit, implicit, rtol=0, atol=1e-5)
 
 
 @torch.inference_mode()

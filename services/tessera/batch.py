@@ -5,6 +5,10 @@ groups: decode requests (one new token each) as one padded batch over their bloc
 and prefill chunks one by one (a chunk that starts at position 0 attends to itself only). A
 decode token with a draft tree is a chunk of its own: positions are context + depth, the
 mask holds each node's ancestors, and every node's logits are returned (spec/acceptance.py).
+
+The causal rows list every token that attends to exactly the tokens before it and itself
+(decode tokens and prompt chunks, not draft trees), each with its request's block table and
+its context length, for the paged kernel, which then runs them all in one call.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ class PrefillChunk:
     start_pos: int        # position of its first token in the request
     context_slots: torch.Tensor | None  # [start_pos + num_tokens] cache slots, None if start_pos == 0
     mask: torch.Tensor | None  # [num_tokens, start_pos + num_tokens] bool causal mask with offset
+    in_causal_rows: bool = False  # its tokens are causal rows of the batch (see ForwardBatch)
 
 
 @dataclass
@@ -37,6 +42,9 @@ class ForwardBatch:
     prefills: list[PrefillChunk]
     logits_idx: torch.Tensor       # [S] int64: tokens whose logits are sampled
     block_size: int
+    causal_token_idx: torch.Tensor | None = None    # [R] int64 ascending: decode and prompt-chunk tokens
+    causal_block_tables: torch.Tensor | None = None  # [R, W'] int64: each row's request's blocks
+    causal_context_lens: torch.Tensor | None = None  # [R] int64: tokens each row attends to
 
     @property
     def num_tokens(self) -> int:
@@ -52,6 +60,11 @@ def build_forward_batch(plan: StepPlan, block_size: int) -> ForwardBatch:
     decode_lens: list[int] = []
     prefills: list[PrefillChunk] = []
     logits_idx: list[int] = []
+    causal_idx: list[int] = []
+    causal_lens: list[int] = []
+    causal_tables: list[tuple[int, ...]] = []   # one per request, repeated over its rows below
+    causal_counts: list[int] = []
+    causal_ends: list[int] = []                 # each request's longest row
     for entry in plan.scheduled:
         start = len(input_ids)
         n = len(entry.token_ids)
@@ -72,9 +85,15 @@ def build_forward_batch(plan: StepPlan, block_size: int) -> ForwardBatch:
             decode_lens.append(entry.start_pos + 1)
         else:
             prefills.append(_prefill_chunk(start, n, entry.start_pos, table, block_size))
+        causal_idx.extend(range(start, start + n))
+        causal_lens.extend(range(entry.start_pos + 1, entry.start_pos + n + 1))
+        causal_tables.append(table)
+        causal_counts.append(n)
+        causal_ends.append(entry.start_pos + n)
         if entry.sample:
             logits_idx.append(start + n - 1)
     decode_tables_t, decode_mask = _decode_context(decode_tables, decode_lens, block_size)
+    request_tables, _ = _decode_context(causal_tables, causal_ends, block_size)
     return ForwardBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long),
         positions=torch.tensor(positions, dtype=torch.long),
@@ -86,6 +105,9 @@ def build_forward_batch(plan: StepPlan, block_size: int) -> ForwardBatch:
         prefills=prefills,
         logits_idx=torch.tensor(logits_idx, dtype=torch.long),
         block_size=block_size,
+        causal_token_idx=torch.tensor(causal_idx, dtype=torch.long),
+        causal_block_tables=request_tables.repeat_interleave(torch.tensor(causal_counts, dtype=torch.long), dim=0),
+        causal_context_lens=torch.tensor(causal_lens, dtype=torch.long),
     )
 
 
@@ -97,11 +119,11 @@ def _slots(table: tuple[int, ...], num_blocks: int, block_size: int) -> torch.Te
 def _prefill_chunk(start: int, n: int, start_pos: int, table: tuple[int, ...],
                    block_size: int) -> PrefillChunk:
     if start_pos == 0:
-        return PrefillChunk(start, n, 0, None, None)
+        return PrefillChunk(start, n, 0, None, None, in_causal_rows=True)
     length = start_pos + n
     slots = _slots(table, -(-length // block_size), block_size)[:length]
     mask = torch.arange(length)[None, :] <= torch.arange(start_pos, length)[:, None]
-    return PrefillChunk(start, n, start_pos, slots, mask)
+    return PrefillChunk(start, n, start_pos, slots, mask, in_causal_rows=True)
 
 
 def _tree_chunk(start: int, start_pos: int, draft: Draft, table: tuple[int, ...],

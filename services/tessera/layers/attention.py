@@ -1,14 +1,17 @@
 """Paged attention over a per-layer KV cache laid out [kv_heads, num_blocks * block_size, head_dim].
 
-New K/V are written to their slots first. Decode tokens then attend as one batch: with the
-C kernel (tessera_kernels.paged_attention_cpu, float32 or bfloat16 cache) straight from the
-paged cache; else
-their blocks are gathered whole (one index_select per layer, already [kv_heads, B, L, D] in
-this layout) and query heads sharing a KV head are grouped so GQA needs no copy of K/V.
-Each prefill chunk attends causally (query heads grouped onto their KV head by SDPA's
-enable_gqa, no copy of K/V), to itself alone when it starts at position 0, else to its
-gathered context with an offset causal mask; an explicit mask per chunk replaces that
-causal one (tree verification: draft tokens attend to the context and their ancestors only).
+New K/V are written to their slots first. With the C kernel (tessera_kernels.paged_attention_cpu,
+float32 or bfloat16 cache), every token that attends causally, decode and prompt alike, is a
+row of one kernel call straight from the paged cache: a prompt token is a query whose context
+ends at itself (ForwardBatch's causal rows). For prompt chunks of 128 to 2048 tokens it is
+1.4-2.4x faster than torch's SDPA here (Zen 5, 2 threads, SmolLM2's heads).
+Without the kernel, decode tokens attend as one batch whose blocks are gathered whole (one
+index_select per layer, already [kv_heads, B, L, D] in this layout), query heads sharing a
+KV head grouped so GQA needs no copy of K/V; each prefill chunk attends causally through
+SDPA (enable_gqa, no copy of K/V), to itself alone when it starts at position 0, else to its
+gathered context with an offset causal mask. Draft trees, and chunks given an explicit mask,
+always take SDPA with their mask (tree verification: draft tokens attend to the context and
+their ancestors only).
 """
 from __future__ import annotations
 
@@ -30,12 +33,24 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (True: may attend) in place of the causal one; decode tokens attend to their whole context."""
     k_cache.index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
     v_cache.index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
-    if not batch.prefills:
-        return _decode(q, k_cache, v_cache, batch, scale)
-    out = torch.empty_like(q)
-    if batch.decode_token_idx.numel():
-        out[batch.decode_token_idx] = _decode(q[batch.decode_token_idx], k_cache, v_cache, batch, scale)
+    kernel = _kernel_applies(q)
+    by_kernel = kernel and masks is None and batch.causal_token_idx is not None
+    rows = batch.causal_token_idx if by_kernel else batch.decode_token_idx
+    out = torch.empty_like(q) if rows.numel() < q.shape[0] else None
+    if rows.numel():
+        if by_kernel:
+            tables, lens = batch.causal_block_tables, batch.causal_context_lens
+        else:
+            tables, lens = batch.decode_block_tables, batch.decode_context_lens
+        qr = q.contiguous() if out is None else q[rows]      # rows ascend: all of them is every token
+        res = (paged_attention_cpu.paged_decode_attention(qr, k_cache, v_cache, tables, lens, batch.block_size, scale)
+               if kernel else _decode_gathered(qr, k_cache, v_cache, batch, scale))
+        if out is None:
+            return res
+        out[rows] = res
     for j, chunk in enumerate(batch.prefills):
+        if by_kernel and chunk.in_causal_rows:
+            continue
         s, n = chunk.token_start, chunk.num_tokens
         mask = chunk.mask if masks is None or masks[j] is None else masks[j]
         qs = q[s:s + n].transpose(0, 1).unsqueeze(0)           # [1, H, n, D]
@@ -49,15 +64,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            batch: ForwardBatch, scale: float) -> torch.Tensor:
-    """The one place that picks the decode implementation: the C kernel where it applies."""
-    if (q.dtype in (torch.float32, torch.bfloat16) and q.device.type == "cpu"
-            and paged_attention_cpu.supports(q.shape[-1]) and paged_attention_cpu.available()):
-        return paged_attention_cpu.paged_decode_attention(
-            q.contiguous(), k_cache, v_cache, batch.decode_block_tables, batch.decode_context_lens,
-            batch.block_size, scale)
-    return _decode_gathered(q, k_cache, v_cache, batch, scale)
+def _kernel_applies(q: torch.Tensor) -> bool:
+    """The one place that picks the implementation: the C kernel where it applies."""
+    return (q.dtype in (torch.float32, torch.bfloat16) and q.device.type == "cpu"
+            and paged_attention_cpu.supports(q.shape[-1]) and paged_attention_cpu.available())
 
 
 def _decode_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
