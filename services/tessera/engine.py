@@ -222,7 +222,8 @@ class Engine:
             (trees.append((entry, row)) if entry.tree_parents else plain.append(row))
             row += len(entry.token_ids) if entry.tree_parents else 1
         requests = [self.scheduler.requests[e.request_id] for e in plan.scheduled if e.sample and not e.tree_parents]
-        outputs = self._sample_rows(requests, logits[plain]) if requests else []
+        plain_logits = logits[:len(plain)] if plain == list(range(len(plain))) else logits[plain]  # no copy when in order
+        outputs = self._sample_rows(requests, plain_logits) if requests else []
         outputs += [self._verify(entry, logits[r:r + len(entry.token_ids)]) for entry, r in trees]
         self._propose(outputs)
         return outputs

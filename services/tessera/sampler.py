@@ -34,7 +34,9 @@ class SampleResult:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch,
            default_generator: torch.Generator | None = None) -> SampleResult:
-    logits = logits.float().clone()  # pure: the caller's logits are never modified
+    logits = logits.float()
+    if _edits_logits(batch):
+        logits = logits.clone()     # pure: the caller's logits are never modified
     want_lp = [p.logprobs is not None for p in batch.params]
     raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
     logits = apply_penalties(logits, batch)
@@ -55,6 +57,13 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
             noise[j].exponential_(generator=_generator(batch, row) or default_generator)
         tokens[idx] = (probs / noise).argmax(dim=-1)
     return _with_logprobs(tokens, raw_lp, batch)
+
+
+def _edits_logits(batch: SamplingBatch) -> bool:
+    """Whether a penalty, a logit_bias or a banned id writes into the logits (a copy of
+    [batch, vocab] floats is then made first; greedy and plain sampling make none)."""
+    return any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty or p.logit_bias
+               for p in batch.params) or any(batch.banned_ids)
 
 
 def _generator(batch: SamplingBatch, row: int) -> torch.Generator | None:
