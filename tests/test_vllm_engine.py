@@ -11,6 +11,7 @@ import concurrent.futures
 import os
 import pathlib
 import signal
+import threading
 import time
 
 import httpx
@@ -211,6 +212,9 @@ def test_the_engine_is_in_the_compatibility_hash(deployment, monkeypatch):
     assert a.compat != native
 
 
+TOKENS = 256     # long enough that no stream ends between its first token and the kill
+
+
 def test_failover_when_a_vllm_worker_is_killed_mid_stream(client, deployment):
     """SIGKILL worker-0 while 6 streams run on both workers: every stream still ends with all its
     tokens (resumed on worker-1 with the state it had), new requests succeed while worker-0 is
@@ -220,22 +224,30 @@ def test_failover_when_a_vllm_worker_is_killed_mid_stream(client, deployment):
     engine_children = _children(victim)
     assert engine_children, "the vLLM worker runs its engine core in a child process"
 
+    # The gateway learns of workers from Redis once a second: until it lists both, every stream
+    # could land on the survivor and nothing would fail over.
+    wait_until(lambda: _metric(deployment[0], "tessera_gateway_workers") == 2, 30, "the gateway lists both workers")
+    started = threading.Semaphore(0)
+
     def stream(i: int) -> tuple[str, int]:
         s = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"Count to {20 + i}."}],
-                                           temperature=0, max_tokens=64, stream=True, extra_body={"ignore_eos": True},
+                                           temperature=0, max_tokens=TOKENS, stream=True, extra_body={"ignore_eos": True},
                                            stream_options={"include_usage": True})
         text, usage = "", 0
         for c in s:
+            if not text and any(ch.delta.content for ch in c.choices):
+                started.release()
             text += "".join(ch.delta.content or "" for ch in c.choices)
             usage = c.usage.completion_tokens if c.usage else usage
         return text, usage
 
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(stream, i) for i in range(6)]
-        time.sleep(3)      # the streams are under way on both workers
+        for _ in range(6):    # every stream under way (a fixed sleep let fast machines finish first)
+            assert started.acquire(timeout=120), "a stream produced no text"
         os.kill(victim, signal.SIGKILL)
         results = [f.result(timeout=300) for f in futures]
-    assert all(usage == 64 and text for text, usage in results), results
+    assert all(usage == TOKENS and text for text, usage in results), results
     assert _metric(deployment[0], "tessera_gateway_failovers_total") >= 1    # streams did move to worker-1
     assert client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0).choices[0].message.content
     wait_until(lambda: not any(_alive(p) for p in engine_children), 60, "the killed worker's engine lives on")
