@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.layers.norm import rms_norm_low_precision
-from tessera_kernels import elementwise_cpu, gemv_cpu
+from tessera_kernels import elementwise_cpu, gemv_cpu, gemv_quant_cpu
 from tessera_kernels import paged_attention_cpu as pa
 
 pytestmark = pytest.mark.kernels
@@ -120,3 +120,71 @@ def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
     """The largest distance between a and b in bf16 steps (same-sign values)."""
     ai, bi = a.view(torch.int16).int(), b.view(torch.int16).int()
     return int((ai - bi).abs().max())
+
+
+def _q4_weight(N: int, K: int, G: int, seed: int):
+    from tessera.layers.quant import quantize_rtn
+    g = torch.Generator().manual_seed(seed)
+    q = quantize_rtn(torch.randn(N, K, generator=g) * 0.05, 4, G)
+    return q, gemv_quant_cpu.Q4Weight(gemv_quant_cpu.pack_q4(q.codes), q.scale.contiguous(), q.offset.contiguous(), K)
+
+
+@pytest.mark.parametrize("N,K", [(3, 96), (5, 64), (2, 32)])
+def test_pack_q4_round_trips_even_with_an_odd_last_run(N, K):
+    codes = torch.randint(0, 16, (N, K), dtype=torch.uint8)
+    packed = gemv_quant_cpu.pack_q4(codes)
+    assert packed.shape == gemv_quant_cpu.packed_q4_shape(N, K) == (N, 32 * -(-K // 64))
+    assert torch.equal(gemv_quant_cpu.unpack_q4(packed, K), codes)
+
+
+@pytest.mark.skipif(not gemv_quant_cpu.available(), reason="no C compiler for the CPU kernel")
+@pytest.mark.parametrize("N,K,G", [(960, 576, 32), (17, 96, 32), (33, 1536, 64), (40, 192, 96)])
+@pytest.mark.parametrize("M", [1, 2, 5, 16])
+def test_gemv_q4_matches_its_reference_and_treats_every_row_alike(N, K, G, M):
+    """One row: the exact weights q * s + m in float32. Several rows on an AVX512-BF16 CPU: the
+    weights rounded to bf16 first, as the fake-quant reference does. Either way every row of a
+    call the same way (M = 5 is a pass of four rows and one of one), within one bf16 rounding
+    of the float64 product with those weights."""
+    q, w = _q4_weight(N, K, G, seed=N + M)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).bfloat16()
+    y = w.gemv(x).double()
+    assert y.shape == (M, N)
+
+    def close(weights):
+        exact = x.double() @ weights.double().T
+        return bool(((y - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-4).all())
+    dense = q.dequantize()
+    assert close(dense) or close(dense.bfloat16())   # all rows against one of the two
+
+
+@pytest.mark.skipif(not gemv_quant_cpu.available(), reason="no C compiler for the CPU kernel")
+@pytest.mark.parametrize("N,K,G", [(64, 576, 32), (17, 96, 32), (8, 256, 128)])
+def test_dequantize_q4_is_the_references_bf16_weight_bit_for_bit(N, K, G):
+    q, w = _q4_weight(N, K, G, seed=K)
+    assert torch.equal(w.dequantize(), q.dequantize().bfloat16())
+
+
+def test_q4_weight_rejects_what_the_kernel_cannot_read():
+    q, w = _q4_weight(16, 64, 32, seed=0)
+    with pytest.raises(ValueError):
+        gemv_quant_cpu.Q4Weight(w.packed[:, :16].contiguous(), w.scale, w.offset, 64)     # codes cut short
+    with pytest.raises(ValueError):
+        gemv_quant_cpu.Q4Weight(w.packed, w.scale.float(), w.offset, 64)                   # float32 scales
+    with pytest.raises(ValueError):
+        gemv_quant_cpu.Q4Weight(w.packed, w.scale, w.offset, 48)                           # K not in whole runs
+    with pytest.raises(ValueError):
+        w.gemv(torch.zeros(2, 63, dtype=torch.bfloat16))                                  # x of the wrong width
+
+
+@pytest.mark.skipif(not gemv_quant_cpu.available(), reason="no C compiler for the CPU kernel")
+@pytest.mark.parametrize("M", [1, 2])
+def test_gemv_q8_matches_reference(M):
+    from tessera.layers.quant import quantize_rtn
+    g = torch.Generator().manual_seed(M)
+    q = quantize_rtn(torch.randn(200, 576, generator=g), 8)
+    x = torch.randn(M, 576, generator=g).bfloat16()
+    y = gemv_quant_cpu.gemv_q8(x, q.codes, q.scale.reshape(-1).contiguous()).double()
+    exact = x.double() @ q.dequantize().double().T
+    assert ((y - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-4).all()
+    with pytest.raises(ValueError):
+        gemv_quant_cpu.gemv_q8(x, q.codes, q.scale.reshape(-1)[:10].contiguous())

@@ -13,15 +13,15 @@ from tessera.layers.quant import (Int4Linear, Int8Linear, fake_quant, layer_line
 from tessera.models.loader import load_model
 
 
-def _errors(bits: int, dtype: torch.dtype, n: int, k: int, bias: bool, seed: int) -> tuple[float, float]:
+def _errors(bits: int, dtype: torch.dtype, n: int, k: int, bias: bool, seed: int, rows: int = 7) -> tuple[float, float]:
     """(max|kernel - ref_fp32|, max|torch in bf16 - ref_fp32|) for one random linear."""
     torch.manual_seed(seed)
     lin = nn.Linear(k, n, bias=bias).to(dtype)
-    x = torch.randn(7, k, dtype=dtype)
+    x = torch.randn(rows, k, dtype=dtype)
     w = fake_quant(lin.weight, bits).float()
     ref32 = x.float() @ w.T + (lin.bias.float() if bias else 0)
     kernel = quantized_linear(lin, bits)(x)
-    assert kernel.dtype == dtype and kernel.shape == (7, n)
+    assert kernel.dtype == dtype and kernel.shape == (rows, n)
     same_dtype = reference_linear(lin, bits)(x)
     return (kernel.float() - ref32).abs().max().item(), (same_dtype.float() - ref32).abs().max().item()
 
@@ -34,6 +34,43 @@ def test_packed_kernel_matches_fake_quant_reference(bits, dtype, shape, bias):
         kernel_err, torch_err = _errors(bits, dtype, *shape, bias, seed)
         # style rule 6: within twice the error torch itself makes in the compute dtype (bf16)
         assert kernel_err <= 2 * torch_err + 1e-3, (kernel_err, torch_err)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("rows", [1, 2, 40])
+def test_every_path_of_the_packed_kernels_matches_the_reference(bits, rows):
+    """One row, a few (the C GEMVs) and many (int4: dequantized once, then torch's GEMM; int8:
+    torch's packed kernel)."""
+    for seed in range(2):
+        kernel_err, torch_err = _errors(bits, torch.bfloat16, 576, 1536, False, seed, rows)
+        assert kernel_err <= 2 * torch_err + 1e-3, (kernel_err, torch_err)
+
+
+def test_int4_without_the_c_kernels_dequantizes_in_torch(monkeypatch):
+    """No C compiler (or TESSERA_DISABLE_CPU_KERNELS=1): the same answer from torch alone."""
+    from tessera_kernels import gemv_quant_cpu
+    torch.manual_seed(3)
+    lin = nn.Linear(192, 64, bias=True)
+    layer = quantized_linear(lin, 4)
+    x = torch.randn(3, 192)
+    with_kernel = layer(x)
+    monkeypatch.setattr(gemv_quant_cpu, "_library", lambda: None)
+    without = layer(x)
+    assert (without - with_kernel).abs().max() <= 2e-2 * with_kernel.abs().max()
+    assert (without - reference_linear(lin, 4)(x)).abs().max() <= 1e-2 * with_kernel.abs().max()
+
+
+def test_int4_scales_stay_bf16_when_the_model_changes_dtype():
+    """The packed format is bf16 scales and offsets whatever the model's dtype: .double() or
+    .float() converts the bias, never them (the C kernel reads them as bf16)."""
+    torch.manual_seed(4)
+    lin = nn.Linear(64, 32, bias=True)
+    layer = quantized_linear(lin, 4)
+    x = torch.randn(2, 64)
+    before = layer(x)
+    layer.double().float()   # a lossless round trip of the bias
+    assert layer.scale.dtype == layer.offset.dtype == torch.bfloat16 and layer.bias.dtype == torch.float32
+    assert torch.equal(layer(x), before)
 
 
 @pytest.mark.parametrize("bits", [8, 4, 3])

@@ -69,30 +69,6 @@ static inline void load_row(const char *head, int64_t slot, int D, int bf16, v16
     }
 }
 
-/* Two vectors folded into one, each keeping half its lanes' sums: lanes of `a` fill the low
- * half of every 2w-lane block, lanes of `b` the high half. */
-#define FOLD(a, b, lo, hi) (__builtin_shuffle(a, b, (v16i)lo) + __builtin_shuffle(a, b, (v16i)hi))
-#define M8L {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}
-#define M8H {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}
-#define M4L {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}
-#define M4H {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}
-#define M2L {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}
-#define M2H {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}
-#define M1L {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}
-#define M1H {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}
-
-/* Lane j of the result: the sum of the 16 lanes of r[bitrev4(j)] (the tree's pairing puts
- * input i at lane bitrev4(i), so callers store token j's partials at r[bitrev4(j)]). */
-static inline v16 sum16x16(const v16 *r) {
-    v16 x[8], y[4], z[2];
-    for (int i = 0; i < 8; i++) x[i] = FOLD(r[2 * i], r[2 * i + 1], M8L, M8H);
-    for (int i = 0; i < 4; i++) y[i] = FOLD(x[2 * i], x[2 * i + 1], M4L, M4H);
-    for (int i = 0; i < 2; i++) z[i] = FOLD(y[2 * i], y[2 * i + 1], M2L, M2H);
-    return FOLD(z[0], z[1], M1L, M1H);
-}
-
-static const int BITREV4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-
 /* One task: request b's query heads [kv*G, kv*G + G) over its L tokens of KV head kv.
  * Inlined with G and D constants where the caller can (see the dispatch below), so the
  * accumulators live in registers and the loops over heads and lanes unroll. */

@@ -4,6 +4,7 @@
 #ifndef TESSERA_VEC16_H
 #define TESSERA_VEC16_H
 
+#include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -19,6 +20,41 @@ static inline v16 widen(const uint16_t *p) {
     v16 f;
     memcpy(&f, &w, sizeof f);
     return f;
+}
+
+/* 16 bytes widened to 16 int32 lanes: unsigned (zero-extended) or signed. GCC 12 lowers
+ * __builtin_convertvector from 8-bit lanes to one scalar conversion per lane, so the
+ * widening instructions are named (vpmovzxbd / vpmovsxbd: one AVX-512 or two AVX2). */
+static inline v16i widen_u8(const uint8_t *p) {
+    v16i r;
+#if defined(__AVX512F__)
+    __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    memcpy(&r, &w, sizeof r);
+#elif defined(__AVX2__)
+    __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+    memcpy(&r, &a, sizeof a);
+    memcpy((char *)&r + sizeof a, &b, sizeof b);
+#else
+    for (int i = 0; i < 16; i++) r[i] = p[i];
+#endif
+    return r;
+}
+
+static inline v16i widen_s8(const int8_t *p) {
+    v16i r;
+#if defined(__AVX512F__)
+    __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+    memcpy(&r, &w, sizeof r);
+#elif defined(__AVX2__)
+    __m256i a = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+    memcpy(&r, &a, sizeof a);
+    memcpy((char *)&r + sizeof a, &b, sizeof b);
+#else
+    for (int i = 0; i < 16; i++) r[i] = p[i];
+#endif
+    return r;
 }
 
 static inline v16 load16(const float *p) {
@@ -41,6 +77,15 @@ static inline uint16_t f32_to_bf16(float f) {
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);   /* NaN stays NaN */
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
+}
+
+/* 16 float32 lanes rounded to bf16 (nearest even) and stored; finite values only. */
+static inline void round_to_bf16(v16 f, uint16_t *out) {
+    v16u u;
+    memcpy(&u, &f, sizeof u);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    v16h h = __builtin_convertvector(u, v16h);
+    memcpy(out, &h, sizeof h);
 }
 
 /* Sum of the 16 lanes as a tree of shuffles (4 steps): a plain loop over the lanes is a chain
@@ -89,5 +134,29 @@ static inline v16 exp16(v16 x) {
     memcpy(&scale, &e, sizeof scale);
     return p * scale;
 }
+
+/* Two vectors folded into one, each keeping half its lanes' sums: lanes of `a` fill the low
+ * half of every 2w-lane block, lanes of `b` the high half. */
+#define FOLD(a, b, lo, hi) (__builtin_shuffle(a, b, (v16i)lo) + __builtin_shuffle(a, b, (v16i)hi))
+#define M8L {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}
+#define M8H {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}
+#define M4L {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}
+#define M4H {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}
+#define M2L {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}
+#define M2H {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}
+#define M1L {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}
+#define M1H {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}
+
+/* Lane j of the result: the sum of the 16 lanes of r[bitrev4(j)] (the tree's pairing puts
+ * input i at lane bitrev4(i), so callers store item j's partials at r[bitrev4(j)]). */
+static inline v16 sum16x16(const v16 *r) {
+    v16 x[8], y[4], z[2];
+    for (int i = 0; i < 8; i++) x[i] = FOLD(r[2 * i], r[2 * i + 1], M8L, M8H);
+    for (int i = 0; i < 4; i++) y[i] = FOLD(x[2 * i], x[2 * i + 1], M4L, M4H);
+    for (int i = 0; i < 2; i++) z[i] = FOLD(y[2 * i], y[2 * i + 1], M2L, M2H);
+    return FOLD(z[0], z[1], M1L, M1H);
+}
+
+static const int BITREV4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
 
 #endif

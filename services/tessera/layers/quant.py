@@ -6,12 +6,17 @@
     int3   asymmetric (round to nearest):    w = q * s + m        q in [0, 7]
 
 Each kind has its fake-quant reference (`fake_quant`: the dequantized weight, what the packed
-kernel must reproduce). On CPU the matmuls are torch's packed kernels
-(aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu); they are fast only with 16-bit
-activations (float32 activations take a slow path, ~10x slower), so a quantized linear computes
-in bfloat16 whatever the model's dtype, and its reference does the same. int3 codes ride in the
-int4 kernel (quality of 3 bits, speed and memory of 4). GGUF Q4_0/Q4_1 blocks are exactly the
-int4 form with G = 32 (`Int4Linear.from_codes`), so they are served without a dense copy.
+kernel must reproduce). A quantized linear computes in bfloat16 whatever the model's dtype, and
+its reference does the same. On CPU:
+- int4 (and int3, whose codes ride in the int4 layout: quality of 3 bits, speed and memory of
+  4) runs our C kernel (tessera_kernels.gemv_quant_cpu) for up to GEMV_MAX_ROWS rows: the
+  decode step, where it widens the codes in registers; for more rows (prefill, big batches)
+  the weight is dequantized to bf16 by the same library and multiplied by torch's GEMM.
+  torch's own int4 kernel read its quarter of the bytes slower than our dense bf16 path reads
+  all of them (measured: README, "Weight-only quantization").
+- int8 runs our C kernel for one or two rows and torch's aten._weight_int8pack_mm otherwise.
+GGUF Q4_0/Q4_1 blocks are exactly the int4 form with G = 32 (`Int4Linear.from_codes`), so
+they are served without a dense copy.
 """
 from __future__ import annotations
 
@@ -19,10 +24,15 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from tessera_kernels import gemv_quant_cpu
 
 BITS = (3, 4, 8, 16)
 COMPUTE_DTYPE = torch.bfloat16
+GEMV_MAX_ROWS = 16     # int4: rows up to which the GEMV beats dequantize + GEMM (measured)
+GEMV_MAX_ROWS_INT8 = 2  # int8: beyond this torch's packed kernel is as fast
 
 
 @dataclass(frozen=True)
@@ -81,27 +91,39 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(COMPUTE_DTYPE), self.codes, self.scale)
+        x2 = x.reshape(-1, shape[-1]).to(COMPUTE_DTYPE)
+        if x2.shape[0] <= GEMV_MAX_ROWS_INT8 and self.in_features % 16 == 0 and gemv_quant_cpu.available():
+            y = gemv_quant_cpu.gemv_q8(x2, self.codes, self.scale)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.codes, self.scale)
         y = y.to(x.dtype).view(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
 class Int4Linear(nn.Module):
-    """y = x W^T + b with W stored as 4-bit codes packed for torch's CPU kernel and a bfloat16
-    (scale, offset) per group of `group` input columns. Holds 3-bit codes the same way."""
+    """y = x W^T + b with W stored as 4-bit codes (gemv_quant_cpu.pack_q4's layout) and a
+    bfloat16 scale and offset per group of `group` input columns. Holds 3-bit codes the same
+    way."""
 
     def __init__(self, q: QuantCodes, bias: torch.Tensor | None = None, bits: int = 4) -> None:
         super().__init__()
+        if q.group % gemv_quant_cpu.RUN:
+            raise ValueError(f"int{bits} groups must be a multiple of {gemv_quant_cpu.RUN} columns, not {q.group}")
         self.bits, self.group = bits, q.group
         self.out_features, self.in_features = q.codes.shape
-        # The kernel computes (q - 8) * scale + zero, so zero = offset + 8 * scale; [K/G, N, 2].
-        scale, offset = q.scale.float(), q.offset.float()
-        zeros = offset + 8 * scale
-        self.register_buffer("scale_zeros", torch.stack([scale, zeros], dim=-1).transpose(0, 1)
-                             .to(COMPUTE_DTYPE).contiguous())
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            q.codes.to(torch.int32).contiguous(), 1))
+        self.register_buffer("packed", gemv_quant_cpu.pack_q4(q.codes))
+        self.register_buffer("scale", q.scale.to(COMPUTE_DTYPE).contiguous())
+        self.register_buffer("offset", q.offset.to(COMPUTE_DTYPE).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self._q4 = gemv_quant_cpu.Q4Weight(self.packed, self.scale, self.offset, self.in_features)
+
+    def _apply(self, fn, recurse=True):
+        """.to(dtype) and the like convert the bias only: scale and offset stay bf16 (they are
+        part of the packed format, which the kernels check once, here)."""
+        super()._apply(fn, recurse)
+        self.scale, self.offset = self.scale.to(COMPUTE_DTYPE).contiguous(), self.offset.to(COMPUTE_DTYPE).contiguous()
+        self._q4 = gemv_quant_cpu.Q4Weight(self.packed, self.scale, self.offset, self.in_features)
+        return self
 
     @classmethod
     def from_codes(cls, q: QuantCodes, bias: torch.Tensor | None = None) -> "Int4Linear":
@@ -109,10 +131,16 @@ class Int4Linear(nn.Module):
         return cls(q, bias, bits=4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(COMPUTE_DTYPE), self.packed,
-                                                       self.group, self.scale_zeros)
-        y = y.to(x.dtype).view(*shape[:-1], self.out_features)
+        # a decode step calls this a hundred times: the common case (2-D bf16) costs no copies
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if x2.shape[0] <= GEMV_MAX_ROWS and gemv_quant_cpu.available():
+            y = self._q4.gemv(x2)
+        else:
+            y = F.linear(x2.to(COMPUTE_DTYPE), self._q4.dequantize())
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        if x.dim() != 2:
+            y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
