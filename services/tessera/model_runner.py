@@ -1,6 +1,9 @@
 """Owns the model and the KV cache tensors; turns a StepPlan into logits for sampled tokens."""
 from __future__ import annotations
 
+import ctypes
+import sys
+
 import torch
 
 from tessera.batch import build_forward_batch
@@ -22,9 +25,28 @@ def allocate_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch
     [kv_heads, B, L, D]."""
     slots = num_blocks * block_size
     held = range(cfg.num_layers) if layers is None else layers
-    return [(torch.zeros(cfg.num_kv_heads, slots, cfg.head_dim, dtype=dtype),
-             torch.zeros(cfg.num_kv_heads, slots, cfg.head_dim, dtype=dtype)) if l in held else None
+    shape = (cfg.num_kv_heads, slots, cfg.head_dim)
+    return [(_zeros_on_huge_pages(shape, dtype), _zeros_on_huge_pages(shape, dtype)) if l in held else None
             for l in range(cfg.num_layers)]
+
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros on 2 MiB pages where Linux allows it (transparent huge pages in "madvise" mode, the
+    default here): decode attention reads the cache in 2 KiB pieces scattered over all of it,
+    and with 4 KiB pages nearly every piece missed the TLB. Measured on AMD EPYC Zen 4, batch
+    64, context ~190, 30 layers from DRAM: the attention kernel 27 -> 22 ms per step. The
+    advice must come before the first touch (the zeroing), or the pages are already small."""
+    t = torch.empty(shape, dtype=dtype)
+    if sys.platform == "linux":
+        start = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+        end = (t.data_ptr() + t.numel() * t.element_size()) // _HUGE_PAGE * _HUGE_PAGE
+        if end > start:
+            ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
+    return t.zero_()
 
 
 class ModelRunner:
