@@ -138,7 +138,7 @@ def test_pack_q4_round_trips_even_with_an_odd_last_run(N, K):
 
 
 @pytest.mark.skipif(not gemv_quant_cpu.available(), reason="no C compiler for the CPU kernel")
-@pytest.mark.parametrize("N,K,G", [(960, 576, 32), (17, 96, 32), (33, 1536, 64), (40, 192, 96)])
+@pytest.mark.parametrize("N,K,G", [(960, 576, 32), (17, 96, 32), (33, 1536, 64), (40, 192, 96), (5, 96, 96)])
 @pytest.mark.parametrize("M", [1, 2, 5, 16])
 def test_gemv_q4_matches_its_reference_and_treats_every_row_alike(N, K, G, M):
     """One row: the exact weights q * s + m in float32. Several rows on an AVX512-BF16 CPU: the
@@ -174,10 +174,17 @@ def test_q4_weight_rejects_what_the_kernel_cannot_read():
         gemv_quant_cpu.Q4Weight(w.packed, w.scale, w.offset, 48)                           # K not in whole runs
     with pytest.raises(ValueError):
         w.gemv(torch.zeros(2, 63, dtype=torch.bfloat16))                                  # x of the wrong width
+    with pytest.raises(ValueError):
+        gemv_quant_cpu.Q4Weight(torch.zeros(16, 0, dtype=torch.uint8), w.scale[:, :1].contiguous(),
+                                w.offset[:, :1].contiguous(), 0)                          # no inputs at all
+    meta = gemv_quant_cpu.Q4Weight(w.packed.to("meta"), w.scale.to("meta"), w.offset.to("meta"), 64)
+    assert not meta.on_cpu
+    with pytest.raises(ValueError):
+        meta.gemv(torch.zeros(1, 64, dtype=torch.bfloat16))                               # not CPU memory
 
 
 @pytest.mark.skipif(not gemv_quant_cpu.available(), reason="no C compiler for the CPU kernel")
-@pytest.mark.parametrize("M", [1, 2])
+@pytest.mark.parametrize("M", [1, 2, 3, 5])
 def test_gemv_q8_matches_reference(M):
     from tessera.layers.quant import quantize_rtn
     g = torch.Generator().manual_seed(M)
@@ -188,3 +195,19 @@ def test_gemv_q8_matches_reference(M):
     assert ((y - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-4).all()
     with pytest.raises(ValueError):
         gemv_quant_cpu.gemv_q8(x, q.codes, q.scale.reshape(-1)[:10].contiguous())
+    with pytest.raises(ValueError):
+        gemv_quant_cpu.gemv_q8(x, q.codes.to("meta"), q.scale.reshape(-1).contiguous())
+
+
+@pytest.mark.skipif(not gemv_quant_cpu.available(), reason="no C compiler for the CPU kernel")
+def test_the_quantized_gemvs_built_for_avx2_pass_the_same_tests(tmp_path):
+    """The other kind of machine (AVX2 only: the float path, no bf16 dot products), built here
+    with TESSERA_MARCH=haswell into its own cache."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "TESSERA_MARCH": "haswell", "TESSERA_CACHE": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                          "-k", "q4 or q8"], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "passed" in run.stdout and list((tmp_path / "kernels").glob("gemv_quant-*.so"))

@@ -60,17 +60,31 @@ def test_int4_without_the_c_kernels_dequantizes_in_torch(monkeypatch):
     assert (without - reference_linear(lin, 4)(x)).abs().max() <= 1e-2 * with_kernel.abs().max()
 
 
-def test_int4_scales_stay_bf16_when_the_model_changes_dtype():
-    """The packed format is bf16 scales and offsets whatever the model's dtype: .double() or
-    .float() converts the bias, never them (the C kernel reads them as bf16)."""
+@pytest.mark.parametrize("bits", [8, 4])
+def test_packed_weights_survive_dtype_changes_and_state_dict_loads(bits):
+    """The packed format (codes, bf16 scales and offsets) is the same whatever the model's dtype:
+    .half() converts the bias only (scales below fp16's range would otherwise be lost), and a
+    state dict loaded with assign=True is what the layer then computes with."""
     torch.manual_seed(4)
     lin = nn.Linear(64, 32, bias=True)
-    layer = quantized_linear(lin, 4)
+    lin.weight.data[:, :32] *= 1e-6        # scales far below float16's smallest normal number
+    layer = quantized_linear(lin, bits)
+    scales = layer.scale.clone()
     x = torch.randn(2, 64)
     before = layer(x)
-    layer.double().float()   # a lossless round trip of the bias
-    assert layer.scale.dtype == layer.offset.dtype == torch.bfloat16 and layer.bias.dtype == torch.float32
-    assert torch.equal(layer(x), before)
+    layer.half().float()
+    assert layer.scale.dtype == torch.bfloat16 and torch.equal(layer.scale, scales)
+    assert (layer(x) - before).abs().max() <= 1e-2 * before.abs().max()   # only the bias went through fp16
+    other = quantized_linear(nn.Linear(64, 32, bias=True), bits)
+    layer.load_state_dict(other.state_dict(), assign=True)
+    assert torch.equal(layer(x), other(x))
+
+
+def test_int4_on_the_meta_device_never_reaches_the_c_kernel():
+    layer = quantized_linear(nn.Linear(64, 32), 4).to("meta")
+    assert layer.packed.device.type == "meta" and layer.scale.dtype == torch.bfloat16
+    with pytest.raises((RuntimeError, NotImplementedError, ValueError)):
+        layer(torch.randn(1, 64))
 
 
 @pytest.mark.parametrize("bits", [8, 4, 3])

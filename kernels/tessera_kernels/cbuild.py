@@ -4,7 +4,8 @@ The source is compiled with the host's C compiler (-O3 -march=native -fopenmp) i
 directory keyed by the source, the shared headers (csrc/*.h), the flags and the CPU, so a machine with other vector units
 (AVX2 only, AVX-512, AMX) builds its own. ctypes releases the GIL during a call. Where no
 compiler is found or the build fails, load() returns None and callers use their torch path;
-TESSERA_DISABLE_CPU_KERNELS=1 does the same on purpose (for A/B measurements).
+TESSERA_DISABLE_CPU_KERNELS=1 does the same on purpose (for A/B measurements). TESSERA_MARCH
+(default native) picks the target CPU.
 """
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ import subprocess
 import threading
 
 _CSRC = pathlib.Path(__file__).parent / "csrc"
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
+# TESSERA_MARCH builds for another CPU than this one (e.g. "haswell": AVX2 only), so the AVX2
+# paths are tested on an AVX-512 machine too; the cache key includes it.
+_FLAGS = ["-O3", f"-march={os.environ.get('TESSERA_MARCH', 'native')}", "-ffp-contract=fast", "-fopenmp",
+          "-shared", "-fPIC"]
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL | None] = {}
 

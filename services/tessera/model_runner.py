@@ -1,8 +1,7 @@
 """Owns the model and the KV cache tensors; turns a StepPlan into logits for sampled tokens."""
 from __future__ import annotations
 
-import ctypes
-import sys
+import mmap
 
 import torch
 
@@ -31,22 +30,28 @@ def allocate_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch
 
 
 _HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
 
 
 def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Zeros on 2 MiB pages where Linux allows it (transparent huge pages in "madvise" mode, the
     default here): decode attention reads the cache in 2 KiB pieces scattered over all of it,
     and with 4 KiB pages nearly every piece missed the TLB. Measured on AMD EPYC Zen 4, batch
-    64, context ~190, 30 layers from DRAM: the attention kernel 27 -> 22 ms per step. The
-    advice must come before the first touch (the zeroing), or the pages are already small."""
-    t = torch.empty(shape, dtype=dtype)
-    if sys.platform == "linux":
-        start = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
-        end = (t.data_ptr() + t.numel() * t.element_size()) // _HUGE_PAGE * _HUGE_PAGE
-        if end > start:
-            ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
-    return t.zero_()
+    64, context ~190, 30 layers from DRAM: the attention kernel 22.7 -> 16.7 ms per step. The
+    memory is a fresh anonymous mapping (malloc may hand back pages already touched, which stay
+    small), advised before its first touch, the tensor starting on a 2 MiB boundary."""
+    count = 1
+    for n in shape:
+        count *= n
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None or nbytes < _HUGE_PAGE:
+        return torch.zeros(shape, dtype=dtype)
+    region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(advice)
+    start = torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr()
+    skip = -start % _HUGE_PAGE
+    t = torch.frombuffer(region, dtype=dtype, count=count, offset=skip).view(shape)
+    return t.zero_()    # touch every page now, not during the first requests
 
 
 class ModelRunner:

@@ -231,21 +231,29 @@ void column_q8(const float *xs, const int8_t *codes, const uint16_t *scale, uint
     for (int r = 0; r < R; r++) y[(int64_t)r * N + n] = f32_to_bf16(hsum(acc[r]) * s);
 }
 
-/* x [M, K] bf16 as float32, and (G > 0) its sums per group of G columns; NULL if out of memory. */
-static float *widen_rows(const uint16_t *x, int M, int K, int G, float **xsum) {
-    float *xs = malloc(sizeof(float) * ((size_t)M * K + (G > 0 ? (size_t)M * (K / G) : 0)) + 64);
-    if (!xs) return NULL;
-    for (int64_t i = 0; i < (int64_t)M * K; i++) xs[i] = bf16_to_f32(x[i]);
+/* What a call needs of x [M, K]: widened to float32 (xs, when the float path reads it) and its
+ * sums per group of G columns (xsum, when G > 0). One block; NULL if out of memory. */
+static float *widen_rows(const uint16_t *x, int M, int K, int G, int need_xs, float **xs, float **xsum) {
+    const size_t nxs = need_xs ? (size_t)M * K : 0, nsum = G > 0 ? (size_t)M * (K / G) : 0;
+    float *block = malloc(sizeof(float) * (nxs + nsum) + 64);
+    if (!block) return NULL;
+    *xs = need_xs ? block : NULL;
+    for (size_t i = 0; i < nxs; i++) block[i] = bf16_to_f32(x[i]);
     if (G > 0) {
-        *xsum = xs + (size_t)M * K;
+        *xsum = block + nxs;
         for (int m = 0; m < M; m++)
             for (int g = 0; g < K / G; g++) {
                 float s = 0.0f;
-                for (int k = 0; k < G; k++) s += xs[(int64_t)m * K + g * G + k];
+                for (int k = 0; k < G; k++) s += bf16_to_f32(x[(int64_t)m * K + g * G + k]);
                 (*xsum)[m * (K / G) + g] = s;
             }
     }
-    return xs;
+    return block;
+}
+
+/* The shapes the int4 kernels can read: whole runs of 32 columns, whole groups of runs. */
+static int q4_shape_ok(int M, int N, int K, int G) {
+    return M >= 0 && N > 0 && K > 0 && G > 0 && G % 32 == 0 && K % G == 0;
 }
 
 /* The rows in passes of ROWS (the last pass takes what is left), R a constant in each. */
@@ -261,16 +269,24 @@ static float *widen_rows(const uint16_t *x, int M, int K, int G, float **xsum) {
         }                                                                                \
     }
 
-/* K % G == 0 and G % 32 == 0: the wrapper checks. Returns 0, or -1 when out of memory. */
+/* Returns 0; -1 when out of memory; -2 for a shape the kernel cannot read (the wrapper checks
+ * shapes, dtypes and devices first: this is the last line). */
 int gemv_q4(const uint16_t *x, const uint8_t *packed, const uint16_t *scale, const uint16_t *offset,
             uint16_t *y, int M, int N, int K, int G, int num_threads) {
-    float *xsum = NULL;
-    float *xs = widen_rows(x, M, K, G, &xsum);
-    if (!xs) return -1;
+    if (!q4_shape_ok(M, N, K, G)) return -2;
+#ifdef BF16_DOT
+    const int need_xs = 0, need_xsum = M == 1;   /* several rows: the weights carry the offsets */
+#else
+    const int need_xs = 1, need_xsum = 1;
+#endif
+    float *xs = NULL, *xsum = NULL;
+    float *block = widen_rows(x, M, K, need_xsum ? G : 0, need_xs, &xs, &xsum);
+    if (!block) return -1;
     /* G = 32 (GGUF's blocks, our default) compiled with the group size a constant: the run
      * loop disappears and the groups unroll. */
-#define Q4G(R, GS) tile_q4(x + (int64_t)m0 * K, xs + (int64_t)m0 * K, xsum + (int64_t)m0 * (K / G), packed, scale, \
-                           offset, y + (int64_t)m0 * N, M > 1, R, N, K, GS, n0, width)
+#define Q4G(R, GS) tile_q4(x + (int64_t)m0 * K, xs ? xs + (int64_t)m0 * K : NULL,                    \
+                           xsum ? xsum + (int64_t)m0 * (K / G) : NULL, packed, scale, offset,          \
+                           y + (int64_t)m0 * N, M > 1, R, N, K, GS, n0, width)
 #define Q4(R) (G == 32 ? Q4G(R, 32) : Q4G(R, G))
     _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
     for (int n0 = 0; n0 < N; n0 += 16) {
@@ -279,17 +295,18 @@ int gemv_q4(const uint16_t *x, const uint8_t *packed, const uint16_t *scale, con
     }
 #undef Q4
 #undef Q4G
-    free(xs);
+    free(block);
     return 0;
 }
 
 /* The dense bf16 weight [N, K] of an int4 one: w = q * scale + offset in float32, the product
  * and the sum each rounded (not fused: as the reference and run_weights compute them), then
  * rounded to bf16. For many rows a GEMM on this copy beats widening the codes once per four
- * rows. K % G == 0, G % 32 == 0. */
+ * rows. Returns 0, or -2 for a shape it cannot read. */
 __attribute__((optimize("fp-contract=off")))
-void dequantize_q4(const uint8_t *packed, const uint16_t *scale, const uint16_t *offset, uint16_t *w,
-                   int N, int K, int G, int num_threads) {
+int dequantize_q4(const uint8_t *packed, const uint16_t *scale, const uint16_t *offset, uint16_t *w,
+                  int N, int K, int G, int num_threads) {
+    if (!q4_shape_ok(0, N, K, G)) return -2;
     const int ng = K / G, runs = K / 32;
     _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
     for (int n = 0; n < N; n++) {
@@ -305,17 +322,20 @@ void dequantize_q4(const uint8_t *packed, const uint16_t *scale, const uint16_t 
             }
         }
     }
+    return 0;
 }
 
-/* K % 16 == 0: the wrapper checks. Returns 0, or -1 when out of memory. */
+/* Returns 0; -1 when out of memory; -2 for a shape it cannot read (K a multiple of 16). */
 int gemv_q8(const uint16_t *x, const int8_t *codes, const uint16_t *scale, uint16_t *y,
             int M, int N, int K, int num_threads) {
-    float *xs = widen_rows(x, M, K, 0, NULL);
-    if (!xs) return -1;
+    if (M < 0 || N <= 0 || K <= 0 || K % 16) return -2;
+    float *xs = NULL;
+    float *block = widen_rows(x, M, K, 0, 1, &xs, NULL);
+    if (!block) return -1;
 #define Q8(R) column_q8(xs + (int64_t)m0 * K, codes, scale, y + (int64_t)m0 * N, R, N, K, n)
     _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
     for (int n = 0; n < N; n++) ROW_PASSES(Q8)
 #undef Q8
-    free(xs);
+    free(block);
     return 0;
 }

@@ -79,12 +79,14 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* 16 float32 lanes rounded to bf16 (nearest even) and stored; finite values only. */
+/* 16 float32 lanes rounded to bf16 (nearest even, as f32_to_bf16: a NaN stays a NaN) and stored. */
 static inline void round_to_bf16(v16 f, uint16_t *out) {
     v16u u;
     memcpy(&u, &f, sizeof u);
-    u = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    v16h h = __builtin_convertvector(u, v16h);
+    v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    v16u nan = (v16u)((u & 0x7fffffffu) > 0x7f800000u);
+    v16u r = (rounded & ~nan) | (((u >> 16) | 0x40u) & nan);
+    v16h h = __builtin_convertvector(r, v16h);
     memcpy(out, &h, sizeof h);
 }
 
