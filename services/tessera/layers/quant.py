@@ -271,6 +271,6 @@ def linear_weight_bytes(out_features: int, in_features: int, bits: int, group_si
         return n * dense_bytes
     if bits == 8:
         return n + 2 * out_features
-    stored = 4   # int3 codes are stored in the int4 kernel's layout
-    return n * stored // 8 + 4 * out_features * (in_features // group_size)
+    rows, row_bytes = gemv_quant_cpu.packed_q4_shape(out_features, in_features)   # int3 rides in int4's layout
+    return rows * row_bytes + 4 * out_features * (in_features // group_size)
 
