@@ -25,7 +25,7 @@
 
 #include "vec16.h"
 
-#define ROWS 4   /* rows per pass: four rows' accumulators fit the registers (measured) */
+#define ROWS 4   /* rows per pass: four rows' two sets of accumulators fit the 32 AVX-512 registers */
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 /* With AVX512-BF16 a run is one dot-product instruction: the codes become the bf16 values
