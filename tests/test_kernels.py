@@ -211,3 +211,19 @@ def test_the_quantized_gemvs_built_for_avx2_pass_the_same_tests(tmp_path):
                           "-k", "q4 or q8"], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "passed" in run.stdout and list((tmp_path / "kernels").glob("gemv_quant-*.so"))
+
+
+@pytest.mark.parametrize("B,V", [(1, 49152), (5, 77), (3, 16), (2, 5)])
+def test_argmax_rows_is_torchs_argmax_ties_nans_and_infinities_included(B, V):
+    from tessera_kernels import argmax_cpu
+    g = torch.Generator().manual_seed(B * V)
+    x = torch.randint(-3, 4, (B, V), generator=g).float()     # many ties: the first maximum wins
+    x[0, V // 2] = float("inf")
+    if B > 1:
+        x[1] = float("-inf")                                   # nothing but -inf: index 0
+    if B > 2:
+        x[2, V - 1] = float("nan")                             # a NaN is the maximum, as in torch
+    wide = torch.zeros(B, V + 3)
+    wide[:, :V] = x
+    for rows in (x, wide[:, :V]):                              # contiguous rows, and rows further apart
+        assert torch.equal(argmax_cpu.argmax_rows(rows), rows.argmax(dim=-1))

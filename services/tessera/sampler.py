@@ -14,6 +14,7 @@ import torch
 
 from tessera.config import SamplingParams
 from tessera.seeds import draw_seed
+from tessera_kernels.argmax_cpu import argmax_rows
 
 
 @dataclass
@@ -47,7 +48,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     for row, banned in enumerate(batch.banned_ids):
         if banned:
             logits[row, list(banned)] = float("-inf")
-    tokens = logits.argmax(dim=-1)
+    tokens = argmax_rows(logits)
     random_rows = [i for i, p in enumerate(batch.params) if not p.greedy]
     if random_rows:
         idx = torch.tensor(random_rows)
