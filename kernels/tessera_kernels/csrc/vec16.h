@@ -25,37 +25,35 @@ static inline v16 widen(const uint16_t *p) {
 /* 16 bytes widened to 16 int32 lanes: unsigned (zero-extended) or signed. GCC 12 lowers
  * __builtin_convertvector from 8-bit lanes to one scalar conversion per lane, so the
  * widening instructions are named (vpmovzxbd / vpmovsxbd: one AVX-512 or two AVX2). */
-static inline v16i widen_u8(const uint8_t *p) {
-    v16i r;
 #if defined(__AVX512F__)
-    __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    memcpy(&r, &w, sizeof r);
+#define WIDEN8(name, type, ext512, ext256)                                           \
+    static inline v16i name(const type *p) {                                         \
+        v16i r;                                                                      \
+        __m512i w = ext512(_mm_loadu_si128((const __m128i *)p));                     \
+        memcpy(&r, &w, sizeof r);                                                    \
+        return r;                                                                    \
+    }
 #elif defined(__AVX2__)
-    __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
-    memcpy(&r, &a, sizeof a);
-    memcpy((char *)&r + sizeof a, &b, sizeof b);
+#define WIDEN8(name, type, ext512, ext256)                                           \
+    static inline v16i name(const type *p) {                                         \
+        v16i r;                                                                      \
+        __m256i a = ext256(_mm_loadl_epi64((const __m128i *)p));                     \
+        __m256i b = ext256(_mm_loadl_epi64((const __m128i *)(p + 8)));               \
+        memcpy(&r, &a, sizeof a);                                                    \
+        memcpy((char *)&r + sizeof a, &b, sizeof b);                                 \
+        return r;                                                                    \
+    }
 #else
-    for (int i = 0; i < 16; i++) r[i] = p[i];
+#define WIDEN8(name, type, ext512, ext256)                                           \
+    static inline v16i name(const type *p) {                                         \
+        v16i r;                                                                      \
+        for (int i = 0; i < 16; i++) r[i] = p[i];                                    \
+        return r;                                                                    \
+    }
 #endif
-    return r;
-}
-
-static inline v16i widen_s8(const int8_t *p) {
-    v16i r;
-#if defined(__AVX512F__)
-    __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
-    memcpy(&r, &w, sizeof r);
-#elif defined(__AVX2__)
-    __m256i a = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
-    memcpy(&r, &a, sizeof a);
-    memcpy((char *)&r + sizeof a, &b, sizeof b);
-#else
-    for (int i = 0; i < 16; i++) r[i] = p[i];
-#endif
-    return r;
-}
+WIDEN8(widen_u8, uint8_t, _mm512_cvtepu8_epi32, _mm256_cvtepu8_epi32)
+WIDEN8(widen_s8, int8_t, _mm512_cvtepi8_epi32, _mm256_cvtepi8_epi32)
+#undef WIDEN8
 
 static inline v16 load16(const float *p) {
     v16 f;
