@@ -1,7 +1,10 @@
 """The quantization-sensitivity indicator and the perplexity it is validated against."""
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -51,6 +54,42 @@ def test_calibration_ranks_bits_and_sees_every_linear(tiny):
         assert row[0] > row[1] > row[2] > row[3] == 0.0    # 3 > 4 > 8 > 16 bits
     # quantizing weights never changes what calibration saw: hooks are gone afterwards
     assert all(not lin._forward_pre_hooks for layer in model.layers for lin in layer.modules())
+
+
+def test_kl_indicator_equals_the_kl_of_whole_quantized_passes(tiny):
+    """omega_kl reruns only the layers from l on: the answer must be the KL of a whole forward
+    with layer l quantized, for every layer and bit-width (and 0 at 16 bits)."""
+    model, _ = tiny
+    windows = [[(13 * i) % 4000 + 20 for i in range(40)], [(7 * i + 1) % 3000 + 9 for i in range(40)]]
+    got = indicator.omega_kl(model, windows, bits=(3, 8, 16))
+
+    def log_probs():
+        return [torch.log_softmax(model.compute_logits(model.norm(quality.hidden_states(model, w)[0])), -1)
+                for w in windows]
+    reference = log_probs()
+    for l, layer in enumerate(model.layers):
+        for i, b in enumerate((3, 8)):
+            with indicator.quantized(layer, b):
+                quant = log_probs()
+            kl = sum(float((r.exp() * (r - q)).sum()) for r, q in zip(reference, quant)) / 80
+            assert got[l][i] == pytest.approx(kl, rel=1e-4, abs=1e-9), (l, b)
+        assert got[l][2] == 0.0
+        assert got[l][0] > got[l][1] > 0.0
+    assert log_probs()[0].equal(reference[0])         # every layer's weights are back
+
+
+def test_indicator_command_writes_every_form_and_validates(tiny, tmp_path):
+    _, path = tiny
+    out = tmp_path / "omega.json"
+    run = subprocess.run([sys.executable, "-m", "tessera.cli", "indicator", "--model", path, "--out", str(out),
+                          "--windows", "1", "--kl-windows", "1", "--window-len", "48", "--validate",
+                          "--validate-windows", "1", "--json"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    data = json.loads(out.read_text())
+    assert data["omega_kind"] == "kl" and data["omega"] == data["omega_kl"]
+    assert {"omega_variance", "omega_paper"} <= set(data)
+    assert len(data["omega"]) == len(data["validation"]["delta_perplexity"])
+    assert {"spearman_kl", "spearman_variance", "spearman_paper"} <= set(data["validation"])
 
 
 def test_heldout_and_calibration_texts_do_not_overlap():

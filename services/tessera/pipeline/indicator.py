@@ -1,21 +1,33 @@
 """Quantization-sensitivity indicator ω[layer, bits] (LLM-PQ's "variance indicator", papers.md
 §4.4), for `tessera plan pq`: lower ω = the layer loses less at that bit-width.
 
-A calibration pass (quality.py's calibration text) records, for every linear of every layer
-with its real shape (fused q|k|v, o, gate|up, down), the mean square of each input column
-E[x_k^2] and the Hessian-free variance statistic the paper uses (Σ_tokens Var_hidden(x)).
-Round-to-nearest noise on a weight is uniform within a step, variance step^2 / 12, so the
-expected squared error it adds to one output of one token is
+Three forms, all from calibration text (quality.py's first half of pydoc_data.topics):
 
-    ω_linear(b) = Σ_n Σ_k step_b(n, group(k))^2 / 12 · E[x_k^2]
+- `omega_kl` (the default that `tessera indicator` writes as "omega"): ZeroQ's sensitivity
+  (Cai et al., 2020). Quantize layer l alone to b bits and measure the mean KL divergence, per
+  token, of the model's next-token distribution from the unquantized one. Only the layers from
+  l on are run again: everything before l is unchanged, so its output is kept from the
+  reference pass.
+- `omega` (kept as "omega_variance"): the expected squared output error that round-to-nearest
+  noise adds to each linear, from input statistics alone. Noise uniform within a step has
+  variance step^2 / 12, so per token
 
-with our quantizer's own steps (int8: per row; int3/int4: per group of G columns). The
-paper's cruder form, (max_row range / (2^(b-1) - 1))^2 · Σ Var(x), is kept beside it
-(`omega_paper`). ω[layer, b] sums its linears. `validate` measures what the indicator
-predicts: the held-out perplexity increase of quantizing one layer at a time.
+      ω_linear(b) = Σ_n Σ_k step_b(n, group(k))^2 / 12 · E[x_k^2]
+
+  with our quantizer's own steps (int8: per row; int3/int4: per group of G columns).
+- `omega_paper`: the paper's cruder form, (max row range / (2^(b-1) - 1))^2 · Σ Var(x).
+
+Why the measured form is the default: on SmolLM2 at 3 bits the two statistic-only forms rank
+the layers almost at random against the measured held-out perplexity increase (Spearman 0.16
+and 0.19), and so do second-order (Fisher-weighted) estimates, while the KL of a layer alone
+ranks them about as well as two held-out halves rank each other (README, "Indicator"). A
+linear's output error is not what the loss sees: later layers and the residual stream decide
+how much of it survives. `validate` measures what the indicator predicts: the held-out
+perplexity increase of quantizing one layer at a time.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 from dataclasses import dataclass, field
@@ -23,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tessera.layers.quant import fake_quant, layer_linears
+from tessera.models.driver import run_layers
 from tessera.models.llama import CausalLM
 from tessera.pipeline import quality
 
@@ -96,18 +109,59 @@ def omega_paper(stats: list[dict[str, LinearStats]], bits=BITS) -> list[list[flo
     return [[sum(score(s, b) for s in layer.values()) for b in bits] for layer in stats]
 
 
+@contextlib.contextmanager
+def quantized(layer: torch.nn.Module, bits: int, group_size: int = 32):
+    """Inside the block, `layer`'s linears hold their fake-quantized weights; restored after."""
+    saved = [(lin, lin.weight.detach().clone()) for _, lin in layer_linears(layer)]
+    try:
+        with torch.inference_mode():
+            for lin, w in saved:
+                lin.weight.copy_(fake_quant(w, bits, group_size))
+        yield
+    finally:
+        with torch.inference_mode():
+            for lin, w in saved:
+                lin.weight.copy_(w)
+
+
+@torch.inference_mode()
+def omega_kl(model: CausalLM, token_windows: list[list[int]], bits=BITS, group_size: int = 32) -> list[list[float]]:
+    """ω[layer][i] for bits[i]: mean KL(p || p_quantized) per token, nats, with layer l alone
+    quantized to bits[i] (0 at 16 bits)."""
+    n = len(model.layers)
+    kl = [[0.0] * len(bits) for _ in range(n)]
+    tokens, runner = 0, None
+    for window in token_windows:
+        batch, runner = quality.window_batch(model, window, runner)
+        x, inputs = model.embed_tokens(batch.input_ids), []
+        for l in range(n):
+            inputs.append(x)
+            x = run_layers(model, x, batch, runner.kv_caches, range(l, l + 1))
+        reference = _log_probs(model, x)
+        p = reference.exp()
+        for l, layer in enumerate(model.layers):
+            for i, b in enumerate(bits):
+                if b == 16:
+                    continue
+                with quantized(layer, b, group_size):
+                    y = run_layers(model, inputs[l], batch, runner.kv_caches, range(l, n))
+                kl[l][i] += float((p * (reference - _log_probs(model, y))).sum())
+        tokens += len(window)
+    return [[v / tokens for v in row] for row in kl]
+
+
+def _log_probs(model: CausalLM, x: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(model.compute_logits(model.norm(x)).float(), dim=-1)
+
+
 @torch.inference_mode()
 def one_layer_perplexities(model: CausalLM, token_windows: list[list[int]], bits: int,
                            group_size: int = 32) -> list[float]:
     """Held-out perplexity with layer l alone fake-quantized to `bits`, for every l."""
     out = []
     for layer in model.layers:
-        saved = [(lin, lin.weight.detach().clone()) for _, lin in layer_linears(layer)]
-        for lin, w in saved:
-            lin.weight.copy_(fake_quant(w, bits, group_size))
-        out.append(quality.perplexity(model, token_windows))
-        for lin, w in saved:
-            lin.weight.copy_(w)
+        with quantized(layer, bits, group_size):
+            out.append(quality.perplexity(model, token_windows))
     return out
 
 
@@ -119,8 +173,10 @@ def spearman(a: list[float], b: list[float]) -> float:
     return float((ra * rb).sum() / (ra.norm() * rb.norm()))
 
 
-def write(path: str | pathlib.Path, omega_rows: list[list[float]], paper_rows: list[list[float]],
-          group_size: int, meta: dict) -> None:
-    """The file `tessera plan pq --indicator` reads: {"bits", "omega": [[per bit] per layer]}."""
-    pathlib.Path(path).write_text(json.dumps({"bits": list(BITS), "omega": omega_rows, "omega_paper": paper_rows,
-                                              "group_size": group_size, **meta}, indent=1))
+def write(path: str | pathlib.Path, forms: dict[str, list[list[float]]], kind: str, group_size: int,
+          meta: dict) -> None:
+    """The file `tessera plan pq --indicator` reads: {"bits", "omega": [[per bit] per layer]};
+    "omega" is the form named by `kind`, every form is also written as "omega_<form>"."""
+    body = {"bits": list(BITS), "omega": forms[kind], "omega_kind": kind, "group_size": group_size,
+            **{f"omega_{k}": v for k, v in forms.items()}, **meta}
+    pathlib.Path(path).write_text(json.dumps(body, indent=1))

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from tessera.batch import build_forward_batch
+from tessera.batch import ForwardBatch, build_forward_batch
 from tessera.kv_cache import KVCacheManager
 from tessera.model_runner import ModelRunner
 from tessera.models.driver import run_layers
@@ -37,17 +37,23 @@ def windows(tokenizer, split: str, num: int, length: int) -> list[list[int]]:
     return [ids[i * length:(i + 1) * length] for i in range(num)]
 
 
+def window_batch(model: CausalLM, tokens: list[int], runner: ModelRunner | None = None
+                 ) -> tuple[ForwardBatch, ModelRunner]:
+    """One whole-window prefill as a batch, and a runner whose KV cache holds the window."""
+    block = 16
+    blocks = -(-len(tokens) // block)
+    runner = runner or ModelRunner(model, blocks, block)     # windows share one length
+    kv = KVCacheManager(blocks, block)
+    kv.allocate("w", len(tokens))
+    plan = StepPlan((ScheduledRequest("w", tuple(tokens), 0, tuple(kv.block_tables["w"]), True),))
+    return build_forward_batch(plan, block), runner
+
+
 @torch.inference_mode()
 def hidden_states(model: CausalLM, tokens: list[int], layers: range | None = None,
                   runner: ModelRunner | None = None) -> tuple[torch.Tensor, ModelRunner]:
     """Hidden states [T, H] after `layers` (default all) of one whole-window prefill."""
-    block = 16
-    blocks = -(-len(tokens) // block)
-    runner = runner or ModelRunner(model, blocks, block)
-    kv = KVCacheManager(blocks, block)
-    kv.allocate("w", len(tokens))
-    plan = StepPlan((ScheduledRequest("w", tuple(tokens), 0, tuple(kv.block_tables["w"]), True),))
-    batch = build_forward_batch(plan, block)
+    batch, runner = window_batch(model, tokens, runner)
     return run_layers(model, model.embed_tokens(batch.input_ids), batch, runner.kv_caches, layers), runner
 
 
