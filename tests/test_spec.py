@@ -10,9 +10,11 @@ import torch
 from tessera.batch import ForwardBatch, PrefillChunk
 from tessera.config import EngineConfig, SamplingParams, SpeculativeConfig
 from tessera.engine import Engine
+from tessera.layers.quant import Int4Linear, Int8Linear, layer_linears
 from tessera.models.driver import run_layers
 from tessera.models.loader import load_model
 from tessera.models.random_init import write_random_model
+from tessera.spec.draft_models import draft_model
 from tessera.spec.drafter import TreeDrafter
 from tessera.spec.proposer import AsyncProposer, SerialProposer
 from tessera.spec.tree import Draft, TokenTree
@@ -190,6 +192,25 @@ def test_greedy_speculation_equals_plain_decoding(llama, max_tokens):
         assert run(spec, PROMPTS, sampling) == plain, draft
         if draft != "self:1" and max_tokens > 2:
             assert spec.spec_stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("draft", ["self@int4", "self:1@int8"])
+def test_quantized_copies_of_the_target_draft_losslessly(llama, draft):
+    sampling = SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)
+    plain = run(engine(llama), PROMPTS, sampling)
+    spec = engine(llama, draft)
+    assert run(spec, PROMPTS, sampling) == plain
+    if draft == "self@int4":    # all layers, 4-bit: on random weights it still often agrees
+        assert spec.spec_stats.acceptance_length > 1.5, spec.spec_stats    # 1.85 here; useless: 1.0
+
+
+def test_a_quantized_draft_copies_only_its_layers_and_leaves_the_target_alone(llama):
+    target = load_model(llama, torch.float32)[0]
+    draft, layers = draft_model("self:1@int4", target, torch.float32)
+    assert layers == range(1) and len(draft.layers) == 1 and len(target.layers) > 1
+    assert all(isinstance(m, Int4Linear) for _, m in layer_linears(draft.layers[0]))
+    assert isinstance(draft.lm_head, Int4Linear)
+    assert not any(isinstance(m, (Int4Linear, Int8Linear)) for m in target.modules())
 
 
 def test_stop_tokens_and_strings_inside_an_accepted_path(llama):

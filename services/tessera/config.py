@@ -124,8 +124,8 @@ class SpeculativeConfig:
     """Tree speculative decoding (SwiftSpec): who drafts, and the shape of each round's tree."""
 
     draft: str | None = field(default=None, metadata={
-        "flag": "--speculative", "help": "drafter: 'self:K' (the target's first K layers), 'self@int8' (an int8 copy of the target), 'ngram' (prompt lookup), "
-        "or a model (HF directory, .gguf, 'smollm2'; @int8: quantized); default: no speculation"})
+        "flag": "--speculative", "help": "drafter: 'self:K' (the target's first K layers), 'self@int4' or 'self@int8' (a copy of the target with int4 or int8 weights), 'ngram' (prompt lookup), "
+        "or a model (HF directory, .gguf, 'smollm2'; @int4 or @int8: quantized); default: no speculation"})
     draft_address: str | None = field(default=None, metadata={
         "help": "gRPC address of a draft worker (disaggregated); default: draft in this process (serial)"})
     tree_size: int = field(default=8, metadata={

@@ -34,7 +34,7 @@ def load(spec: SpeculativeConfig, model: str, dtype: str, max_model_len: int | N
     from tessera.spec.draft_models import draft_model
     from tessera.spec.proposer import AsyncProposer
     if spec.draft is None or spec.draft == "ngram":
-        raise ConfigError("a draft worker needs --speculative self:K, self@int8 or a draft model", "speculative")
+        raise ConfigError("a draft worker needs --speculative self:K, self@int4, self@int8 or a draft model", "speculative")
     torch_dtype = resolve_dtype(dtype)
     name = spec.draft.partition("@")[0]
     target = load_model(model, torch_dtype)[0] if name == "self" or name.startswith("self:") else None

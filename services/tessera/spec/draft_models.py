@@ -1,33 +1,37 @@
 """Which model drafts: parsed from `--speculative`.
 
     self:K          the target's own first K layers, final norm and (tied) head; weights shared
-    self@int8       a copy of the target with every linear layer (head included) in int8
-    self:K@int8     the first K layers of that copy
-    MODEL[@int8]    another model the loader reads (HF directory, .gguf, 'smollm2'); it must
+    self@int4       a copy of the target with every linear layer (head included) in int4
+    self@int8       the same in int8
+    self:K@int4     the first K layers of that copy
+    MODEL[@int4]    another model the loader reads (HF directory, .gguf, 'smollm2'); it must
                     share the target's tokenizer
 
-int8 is torch's dynamic quantization (per-channel int8 weights, activations quantized per
-call, fbgemm kernels): on this CPU a batch-4 matmul with SmolLM2's head takes ~1 ms instead
-of ~18 ms in float32, and the copy predicts almost exactly what the target would, which is
-what a draft must do. (The LLM-PQ issue brings weight-only int8/int4 linears of our own.)
+The quantized copies use the weight-only linears of layers/quant.py (round to nearest; int4 in
+groups of 32, int8 per row) and their GEMV kernels, which read 4x (int4) or 2x (int8) fewer
+weight bytes than bf16 for the few rows a draft expansion has. Such a copy predicts almost
+exactly what the target would, which is what a draft must do: SmolLM2's shipped weights are
+Q4_1 in groups of 32 already, so int4 moves its decoder layers by rounding alone. The head is
+quantized too (it is a fifth of SmolLM2's weights); the embedding table stays as it is.
 """
 from __future__ import annotations
 
 import copy
-import warnings
 
 import torch
-from torch import nn
 
 from tessera.config import ConfigError
+from tessera.layers.quant import quantize_model, quantized_linear
 from tessera.models.llama import CausalLM
+
+QUANTIZATIONS = {"": 16, "int8": 8, "int4": 4}
 
 
 def draft_model(spec: str, target: CausalLM | None, dtype: torch.dtype) -> tuple[CausalLM, range]:
     """(model, layers to run) for a drafter spec (see the module docstring)."""
     name, _, quant = spec.partition("@")
-    if quant not in ("", "int8"):
-        raise ConfigError(f"unknown draft quantization {quant!r} (int8 is supported)", "speculative")
+    if quant not in QUANTIZATIONS:
+        raise ConfigError(f"unknown draft quantization {quant!r} (int8 and int4 are supported)", "speculative")
     if name == "self" or name.startswith("self:"):
         if target is None:
             raise ConfigError("a self-draft needs the target model", "speculative")
@@ -46,18 +50,20 @@ def draft_model(spec: str, target: CausalLM | None, dtype: torch.dtype) -> tuple
             raise ConfigError("self:K needs an integer K", "speculative") from None
         if not 1 <= k <= len(model.layers):
             raise ConfigError(f"self:K needs 1 <= K <= {len(model.layers)}", "speculative")
-    if quant == "int8":
-        model = int8_copy(model)
+    if quant:
+        model = quantized_copy(model, QUANTIZATIONS[quant], range(k))
     return model, range(k)
 
 
-def int8_copy(model: CausalLM) -> CausalLM:
-    """A float32 copy of `model` whose nn.Linear layers (head included) run in int8."""
-    if model.embed_tokens.weight.dtype != torch.float32:
-        model = copy.deepcopy(model).float()
-    else:
-        model = copy.deepcopy(model)
-    with warnings.catch_warnings():           # torch.ao's eager API is deprecated, still supported
-        warnings.simplefilter("ignore")
-        return torch.ao.quantization.quantize_dynamic(
-            model, {nn.Linear: torch.ao.quantization.per_channel_dynamic_qconfig}, inplace=True)
+def quantized_copy(model: CausalLM, bits: int, layers: range) -> CausalLM:
+    """A copy of `model` whose linears in `layers` and head hold `bits`-bit weights (the layers
+    a self:K draft never runs are not copied)."""
+    kept = model.layers
+    model.layers = torch.nn.ModuleList(kept[i] for i in layers)     # deepcopy only what drafts
+    try:
+        twin = copy.deepcopy(model)
+    finally:
+        model.layers = kept
+    quantize_model(twin, bits)
+    twin.lm_head = quantized_linear(twin.lm_head, bits)
+    return twin
