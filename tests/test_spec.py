@@ -16,6 +16,7 @@ from tessera.models.loader import load_model
 from tessera.models.random_init import write_random_model
 from tessera.spec.draft_models import draft_model
 from tessera.spec.drafter import TreeDrafter
+from tessera.spec.ngram import NgramProposer
 from tessera.spec.proposer import AsyncProposer, SerialProposer
 from tessera.spec.tree import Draft, TokenTree
 
@@ -85,6 +86,18 @@ def test_reroot_keeps_the_subtree_with_relative_weights_and_depths():
     for i, n in enumerate(old):
         assert new.depths[i] == tree.depths[n] - tree.depths[node]
         assert new.weights[i] == pytest.approx(tree.weights[n] - tree.weights[node])
+
+
+def test_prompt_lookup_merges_what_followed_each_repeated_suffix():
+    ngram = NgramProposer(max_n=3, min_n=2)
+    # "5 6" occurred twice before the end: after it came 7 8 9 (newest first) and 1 2
+    seq = [5, 6, 1, 2, 3, 5, 6, 7, 8, 9, 4, 5, 6]
+    draft = ngram.propose("r", seq, len(seq), size=8)
+    assert draft.tokens == (7, 8, 9, 4, 5, 6, 1) and draft.parents == (0, 1, 2, 3, 4, 5, 0)
+    assert len(ngram.propose("r", seq, len(seq), size=4)) == 3          # the tree-size bound, root included
+    # only single tokens repeat (no repeated pair): nothing worth verifying
+    assert ngram.propose("r", [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], 11, size=8) is None
+    assert NgramProposer(min_n=1).propose("r", [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], 11, size=8) is not None
 
 
 def test_malformed_drafts_are_refused():
