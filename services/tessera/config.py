@@ -119,6 +119,9 @@ class SchedulerConfig:
             raise ConfigError("max_waiting must be >= 0")
 
 
+DRAFT_QUANTIZATIONS = {"": 16, "int8": 8, "int4": 4}   # --speculative D@Q: Q -> weight bits
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Tree speculative decoding (SwiftSpec): who drafts, and the shape of each round's tree."""
@@ -143,6 +146,13 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if min(self.tree_size, self.width, self.branching, self.disable_batch_size) < 1 or self.depth < 0:
             raise ConfigError("spec tree size, width, branching and disable batch size must be >= 1, depth >= 0")
+        # what can be checked without loading a model, so a typo fails `tessera serve` at once
+        # instead of a draft worker that exits and restarts
+        name, _, quant = (self.draft or "").partition("@")
+        if quant not in DRAFT_QUANTIZATIONS:
+            raise ConfigError(f"unknown draft quantization {quant!r} (int8 and int4 are supported)", "speculative")
+        if name.startswith("self:") and not name.removeprefix("self:").isdigit():
+            raise ConfigError("self:K needs an integer K", "speculative")
 
 
 @dataclass(frozen=True)

@@ -20,17 +20,14 @@ import copy
 
 import torch
 
-from tessera.config import ConfigError
+from tessera.config import DRAFT_QUANTIZATIONS, ConfigError
 from tessera.layers.quant import quantize_model, quantized_linear
 from tessera.models.llama import CausalLM
-
-QUANTIZATIONS = {"": 16, "int8": 8, "int4": 4}
-
 
 def draft_model(spec: str, target: CausalLM | None, dtype: torch.dtype) -> tuple[CausalLM, range]:
     """(model, layers to run) for a drafter spec (see the module docstring)."""
     name, _, quant = spec.partition("@")
-    if quant not in QUANTIZATIONS:
+    if quant not in DRAFT_QUANTIZATIONS:
         raise ConfigError(f"unknown draft quantization {quant!r} (int8 and int4 are supported)", "speculative")
     if name == "self" or name.startswith("self:"):
         if target is None:
@@ -51,19 +48,16 @@ def draft_model(spec: str, target: CausalLM | None, dtype: torch.dtype) -> tuple
         if not 1 <= k <= len(model.layers):
             raise ConfigError(f"self:K needs 1 <= K <= {len(model.layers)}", "speculative")
     if quant:
-        model = quantized_copy(model, QUANTIZATIONS[quant], range(k))
+        model = quantized_copy(model, DRAFT_QUANTIZATIONS[quant], range(k))
     return model, range(k)
 
 
 def quantized_copy(model: CausalLM, bits: int, layers: range) -> CausalLM:
     """A copy of `model` whose linears in `layers` and head hold `bits`-bit weights (the layers
-    a self:K draft never runs are not copied)."""
-    kept = model.layers
-    model.layers = torch.nn.ModuleList(kept[i] for i in layers)     # deepcopy only what drafts
-    try:
-        twin = copy.deepcopy(model)
-    finally:
-        model.layers = kept
+    a self:K draft never runs are neither copied nor kept)."""
+    skipped = [layer for i, layer in enumerate(model.layers) if i not in layers]
+    twin = copy.deepcopy(model, memo={id(layer): layer for layer in skipped})   # shared, then dropped
+    twin.layers = torch.nn.ModuleList(twin.layers[i] for i in layers)
     quantize_model(twin, bits)
     twin.lm_head = quantized_linear(twin.lm_head, bits)
     return twin
