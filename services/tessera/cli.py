@@ -324,6 +324,8 @@ COMMANDS = {
                          _worker_args, cmd_target_worker),
     ("draft-worker",): ("speculative decoding: drafts trees for a target worker's --draft-address",
                         _draft_worker_args, cmd_draft_worker),
+    ("draft", "distill"): ("speculative decoding: distil a small draft model from the target (an HF "
+                           "checkpoint for --speculative DIR)", *_module_command("tessera.entrypoints.draft_distill")),
     ("pipeline-shard",): ("LLM-PQ pipeline: a stage holding layers START:END (stage 0: the worker, linking the "
                           "others)", _pipeline_shard_args, cmd_pipeline_shard),
     ("gateway",): ("the OpenAI-compatible HTTP gateway", _gateway_args, cmd_gateway),
@@ -355,7 +357,7 @@ COMMANDS = {
     ("plan", "pq"): ("LLM-PQ: device order, micro-batches, layer split and bits per layer (ILP), beside "
                      "PipeEdge, uniform and adabits; writes a plan file", *_module_command("tessera.pipeline.plan_cli")),
 }
-GROUP_HELP = {"keys": "API keys kept in Redis", "model": "model files", "bench": "benchmarks", "plan": "planners"}
+GROUP_HELP = {"keys": "API keys kept in Redis", "draft": "draft models", "model": "model files", "bench": "benchmarks", "plan": "planners"}
 
 
 def build_parser(wanted: set[str] | None = None) -> argparse.ArgumentParser:
