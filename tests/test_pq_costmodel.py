@@ -105,6 +105,33 @@ def test_gpu_specs_are_complete():
         assert s.source.startswith("NVIDIA") and s.bandwidth_gbs > 0 and s.fp16_tflops > 0
 
 
+def test_roofline_runs_the_kernels_llm_pq_ran():
+    """costmodel.KERNELS: 8-bit is LLM.int8() without igemmlt (an int8 -> FP16 cast, then the
+    FP16 GEMM), so it is slower than FP16; GPTQ 3/4-bit is an FP32 matrix-vector kernel run once
+    per token, at the datasheet's fp32_tflops read from gpu_specs.yaml."""
+    from dataclasses import replace
+
+    from tessera.pipeline.costmodel import Roofline
+    spec = load_gpu_specs()["V100-32G"]
+    assert spec.fp32_tflops == 15.7 and spec.fp16_tflops == 125
+    mem = MemoryModel(SHAPES["opt-30b"], group_size=128)
+    params = sum(a * b for _, a, b in mem.shape.linears())
+    v100 = Roofline(spec, mem)
+    # decode is memory-bound: LLM.int8() moves 3 more bytes per weight (the cast) than FP16
+    assert v100.decode(8, 8, 512, 50) - v100.decode(16, 8, 512, 50) == pytest.approx(3 * params / 900e9, rel=1e-9)
+    assert v100.prefill(8, 2, 512) > v100.prefill(16, 2, 512)
+    # GPTQ: one token reads the packed weight once (faster than FP16), eight tokens read it eight times
+    stored = mem.weight_bytes(4) - 2 * mem.shape.small_params()
+    assert v100.decode(4, 1, 512, 50) < v100.decode(16, 1, 512, 50) / 3
+    assert v100.decode(4, 8, 512, 50) > 8 * stored / 900e9
+    # with unlimited bandwidth only the math is left: the linears at the FP32 (GPTQ) or FP16 rate
+    fast = Roofline(replace(spec, bandwidth_gbs=1e12), mem)
+    tokens = 2 * 512
+    gap = 2 * tokens * params * (1 / 15.7e12 - 1 / 125e12)
+    assert fast.prefill(4, 2, 512) - fast.prefill(16, 2, 512) == pytest.approx(gap, rel=1e-6)
+    assert fast.prefill(3, 2, 512) == pytest.approx(fast.prefill(4, 2, 512), rel=1e-9)
+
+
 def test_profile_pq_fits_a_real_layer(tiny_models, tmp_path, monkeypatch):
     """The profile's code path on a tiny random Llama (2 layers: bits 16 and 8) at a few
     points; the fitted profile then drives a plan."""
