@@ -14,7 +14,7 @@ _D = DistillConfig()
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=_D.target, help="the target: 'smollm2', an HF directory or a .gguf")
     p.add_argument("--out", required=True, help="directory to write (--speculative DIR drafts with it)")
-    p.add_argument("--layers", default="0,1,2,-1",
+    p.add_argument("--layers", default="0,1,2,3",
                    help="the target's layers the draft starts from, in order (negative: from the end)")
     p.add_argument("--prompts", type=int, default=_D.prompts, help="answers the target generates to learn from")
     p.add_argument("--answer-tokens", type=int, default=_D.answer_tokens, help="longest answer")

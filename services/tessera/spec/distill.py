@@ -42,8 +42,8 @@ INSTRUCTIONS = ("Explain what this part of the Python documentation says:\n\n{}"
 class DistillConfig:
     target: str = "smollm2"
     out: str = "draft-distilled"
-    layers: tuple[int, ...] = (0, 1, 2, 29)   # the target's layers the student starts from
-    prompts: int = 256             # answers generated (hand-written prompts first, then pydoc ones)
+    layers: tuple[int, ...] = (0, 1, 2, 3)    # the target's layers the student starts from
+    prompts: int = 360             # answers generated (hand-written prompts first, then pydoc ones)
     answer_tokens: int = 160
     train_seconds: float = 240.0
     lr: float = 3e-4
@@ -68,7 +68,7 @@ def prompt_texts(count: int, seed: int) -> list[str]:
     texts = [t for t in PROMPTS_FILE.read_text().splitlines() if t.strip()]
     names = sorted(topics)[:len(topics) // 2]           # quality.corpus's calibration half
     excerpts = [topics[n][i:i + 700] for n in names if n != BENCH_TOPIC
-                for i in range(0, min(len(topics[n]), 2800), 700) if len(topics[n]) - i > 200]
+                for i in range(0, len(topics[n]), 700) if len(topics[n]) - i > 200]
     rng = random.Random(seed)
     rng.shuffle(excerpts)
     texts += [INSTRUCTIONS[i % len(INSTRUCTIONS)].format(e.strip()) for i, e in enumerate(excerpts)]
