@@ -369,3 +369,27 @@ def test_a_failing_proposer_means_plain_decoding_not_an_error(llama):
     model = load_model(llama, torch.float32)[0]
     broken = BrokenProposer(model, range(2), SpeculativeConfig(draft="self:2"), 2048)
     assert run(engine(llama, "self:2", proposer=broken), PROMPTS, sampling) == run(engine(llama), PROMPTS, sampling)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tree_rows_in_the_paged_kernel_equal_sdpa_with_the_tree_mask(dtype):
+    """A verification's draft tree runs through the paged kernel (each node a row over its own
+    slots); given its mask explicitly, the same chunk takes SDPA: both must agree."""
+    from tessera.batch import build_forward_batch
+    from tessera.layers.attention import paged_attention
+    from tessera.scheduler import ScheduledRequest, StepPlan
+    from tessera_kernels import paged_attention_cpu
+    if not paged_attention_cpu.available():
+        pytest.skip("no C compiler for the paged kernel")
+    g = torch.Generator().manual_seed(3)
+    H, KV, D, bs, context = 6, 2, 64, 16, 37
+    parents = tuple(random.Random(5).randrange(i + 1) for i in range(8))   # node i + 1's parent
+    entry = ScheduledRequest("r", tuple(range(9)), context, (7, 3, 10, 8), True, tree_parents=parents)
+    batch = build_forward_batch(StepPlan((entry,)), bs)
+    T = batch.num_tokens
+    q, k, v = (torch.randn(T, h, D, generator=g).to(dtype) for h in (H, KV, KV))
+    caches = [torch.randn(KV, 12 * bs, D, generator=g).to(dtype) for _ in range(2)]
+    by_kernel = paged_attention(q, k, v, *(c.clone() for c in caches), batch, D ** -0.5)
+    by_sdpa = paged_attention(q, k, v, *(c.clone() for c in caches), batch, D ** -0.5, [batch.prefills[0].mask])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(by_kernel.float(), by_sdpa.float(), atol=tol, rtol=tol)

@@ -28,6 +28,10 @@ class PrefillChunk:
     context_slots: torch.Tensor | None  # [start_pos + num_tokens] cache slots, None if start_pos == 0
     mask: torch.Tensor | None  # [num_tokens, start_pos + num_tokens] bool causal mask with offset
     in_causal_rows: bool = False  # its tokens are causal rows of the batch (see ForwardBatch)
+    # A draft tree's rows for the paged kernel: the cache slots each node attends to (the
+    # context, then its ancestors and itself), as a block table of one-slot blocks, and how many
+    row_slots: torch.Tensor | None = None  # [num_tokens, W] int64
+    row_lens: torch.Tensor | None = None   # [num_tokens] int64
 
 
 @dataclass
@@ -136,9 +140,14 @@ def _tree_chunk(start: int, start_pos: int, draft: Draft, table: tuple[int, ...]
     mask = torch.zeros(n, length, dtype=torch.bool)
     mask[:, :start_pos] = True
     parents = (-1,) + draft.parents
-    for i in range(n):
-        mask[i, [start_pos + a for a in lineage(parents, i)]] = True
-    return PrefillChunk(start, n, start_pos, slots, mask)
+    lineages = [[start_pos + a for a in lineage(parents, i)] for i in range(n)]
+    row_slots = torch.zeros(n, start_pos + max(map(len, lineages)), dtype=torch.long)
+    row_slots[:, :start_pos] = slots[:start_pos]
+    for i, line in enumerate(lineages):
+        mask[i, line] = True
+        row_slots[i, start_pos:start_pos + len(line)] = slots[line]
+    row_lens = torch.tensor([start_pos + len(line) for line in lineages], dtype=torch.long)
+    return PrefillChunk(start, n, start_pos, slots, mask, row_slots=row_slots, row_lens=row_lens)
 
 
 def _decode_context(tables: list[tuple[int, ...]], lens: list[int],

@@ -9,9 +9,11 @@ Without the kernel, decode tokens attend as one batch whose blocks are gathered 
 index_select per layer, already [kv_heads, B, L, D] in this layout), query heads sharing a
 KV head grouped so GQA needs no copy of K/V; each prefill chunk attends causally through
 SDPA (enable_gqa, no copy of K/V), to itself alone when it starts at position 0, else to its
-gathered context with an offset causal mask. Draft trees, and chunks given an explicit mask,
-always take SDPA with their mask (tree verification: draft tokens attend to the context and
-their ancestors only).
+gathered context with an offset causal mask. A draft tree's nodes (tree verification: each
+attends to the context and its ancestors only) are rows of the kernel too, each with its own
+list of slots as a table of one-slot blocks: with SDPA, gathering the context and applying
+the mask cost 3.4 ms per 8-node verification of SmolLM2 (Zen 4, bf16), a quarter of a decode
+step. Chunks given an explicit mask (the draft model's own expansions) take SDPA.
 """
 from __future__ import annotations
 
@@ -52,6 +54,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if by_kernel and chunk.in_causal_rows:
             continue
         s, n = chunk.token_start, chunk.num_tokens
+        if kernel and chunk.row_slots is not None and (masks is None or masks[j] is None):
+            out[s:s + n] = paged_attention_cpu.paged_decode_attention(
+                q[s:s + n].contiguous(), k_cache, v_cache, chunk.row_slots, chunk.row_lens, 1, scale)
+            continue
         mask = chunk.mask if masks is None or masks[j] is None else masks[j]
         qs = q[s:s + n].transpose(0, 1).unsqueeze(0)           # [1, H, n, D]
         if chunk.context_slots is None:
