@@ -179,3 +179,13 @@ def test_bench_spec_smoke_on_a_tiny_random_model(tmp_path):
     assert {"1", "8"} <= set(map(str, profile["serial"]["t_target_ms"]))
     assert len(report["async_vs_serial_acceptance"]) == 1
     assert report["paper_projection_simulated"]["simulated"] is True
+
+
+def test_measured_tree_sizes_price_each_round_at_its_own_verification():
+    """Rounds that verified no tree (nothing to propose) cost a plain step, not t_target(bs):
+    half plain (t_target(1)), half 8-node trees, model-free (d = 0)."""
+    p = SpecProfile(t_draft={1: 0.0}, t_target={1: 10 * MS, 8: 20 * MS})
+    rounds = Rounds.of([1, 3], nodes=[1, 8])
+    assert rounds.verify_s(p, 8) == pytest.approx(15 * MS)
+    assert tok_s("serial", p, Shape(8, 1, 0), rounds) == pytest.approx(2 / (15 * MS))
+    assert Rounds.of([1, 3]).verify_s(p, 8) == pytest.approx(20 * MS)     # sizes unknown: bs each

@@ -315,7 +315,7 @@ def _spec_row(mode, b: Bench, drafter, kind, engine, prompt, reference, profs, h
     """hits() -> (rounds, hits) counters of the mode's proposer (None: unknown, taken as 0)."""
     run, rates, same = repeated(engine, prompt, b.a.repeats, b.a.max_tokens, hits)
     hit_rate, topups = rates if rates is not None else (None, None)
-    rounds = Rounds.of(run.per_round, hit_rate if hit_rate is not None else 0.0, topups)
+    rounds = Rounds.of(run.per_round, hit_rate if hit_rate is not None else 0.0, topups, run.nodes)
     predicted = tok_s(mode, profs[mode], shape_for(b, drafter), rounds)
     return row(mode, drafter, kind, run, reference.get(kind), same, predicted,
                hit_rate=None if hit_rate is None else round(hit_rate, 3),

@@ -57,6 +57,7 @@ class Run:
     ttft_s: float
     step_s: list[float] = field(default_factory=list)     # each step after the first (prefill)
     per_round: list[int] = field(default_factory=list)    # tokens each of those steps emitted
+    nodes: list[int] = field(default_factory=list)        # tree size each of them verified (1: plain)
 
     @property
     def tpot_ms(self) -> float:
@@ -78,6 +79,7 @@ def timed_generate(engine, prompt: list[int], max_tokens: int) -> Run:
     engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     run: Run | None = None
     while engine.has_unfinished:
+        drafted = engine.spec_stats.draft_tokens
         t0 = time.perf_counter()
         outs = engine.step()
         dt = time.perf_counter() - t0
@@ -88,6 +90,7 @@ def timed_generate(engine, prompt: list[int], max_tokens: int) -> Run:
             run.tokens += emitted
             run.step_s.append(dt)
             run.per_round.append(len(emitted))
+            run.nodes.append(1 + engine.spec_stats.draft_tokens - drafted)
     assert run is not None
     return run
 

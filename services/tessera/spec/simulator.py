@@ -60,11 +60,20 @@ class Rounds:
     emitted: Mapping[float, float] = field(default_factory=lambda: {1: 1})   # tokens -> rounds
     hit_rate: float = 0.0
     topups: float | None = None
+    nodes: Mapping[int, float] | None = None   # tree size verified -> rounds (1: a plain step)
 
     @classmethod
-    def of(cls, per_round: Sequence[int], hit_rate: float = 0.0, topups: float | None = None) -> "Rounds":
-        """From the tokens each measured round emitted."""
-        return cls(dict(Counter(per_round)) or {1: 1}, hit_rate, topups)
+    def of(cls, per_round: Sequence[int], hit_rate: float = 0.0, topups: float | None = None,
+           nodes: Sequence[int] = ()) -> "Rounds":
+        """From the tokens each measured round emitted (and the tree each verified, if known)."""
+        return cls(dict(Counter(per_round)) or {1: 1}, hit_rate, topups, dict(Counter(nodes)) or None)
+
+    def verify_s(self, p: "SpecProfile", bs: int) -> float:
+        """E[t_target] per round: at the measured tree sizes when known (a drafter may send a
+        smaller tree, or none: prompt lookup with nothing to look up), else a bs-node tree."""
+        if not self.nodes:
+            return p.target(bs)
+        return sum(p.target(n) * k for n, k in self.nodes.items()) / sum(self.nodes.values())
 
     @classmethod
     def with_mean(cls, mean: float, hit_rate: float = 0.0) -> "Rounds":
@@ -108,17 +117,20 @@ def grow_s(p: SpecProfile, bs: int, w: int) -> float:
     return p.draft(1) + (k - 1) * p.draft(w) if k else 0.0
 
 
-def serial_round_s(p: SpecProfile, s: Shape, hit_rate: float, topups: float | None = None) -> float:
+def serial_round_s(p: SpecProfile, s: Shape, hit_rate: float, topups: float | None = None,
+                   verify_s: float | None = None) -> float:
     """Serial round: t_round + (1 - hit) t_prefix_flush + max(d, fill) t_draft(w) + t_target(bs).
     Draft and verification take turns on the same cores; a miss costs the flush (the d
     expansions regrow the tree, with extra ones only if d < fill). With measured top-ups the
-    draft makes d + topups expansions instead of max(d, fill)."""
+    draft makes d + topups expansions instead of max(d, fill); with measured tree sizes the
+    verification costs verify_s (Rounds.verify_s) instead of t_target(bs)."""
     expansions = max(s.d, fill_expansions(s.bs, s.w)) if topups is None else s.d + topups
     return (p.t_round + (1 - hit_rate) * p.t_prefix_flush + expansions * p.draft(s.w)
-            + p.target(s.bs))
+            + (p.target(s.bs) if verify_s is None else verify_s))
 
 
-def disaggregated_round_s(p: SpecProfile, s: Shape, hit_rate: float, topups: float | None = None) -> float:
+def disaggregated_round_s(p: SpecProfile, s: Shape, hit_rate: float, topups: float | None = None,
+                          verify_s: float | None = None) -> float:
     """Disaggregated round: max(t_target(bs) + t_comm, d t_draft(w)) + t_round
     + (1 - hit) (t_prefix_flush + grow(bs, w)), or with measured top-ups
     + (1 - hit) t_prefix_flush + topups t_draft(w).
@@ -126,7 +138,7 @@ def disaggregated_round_s(p: SpecProfile, s: Shape, hit_rate: float, topups: flo
     expansions a short tree needs (after a miss; after a hit too when the surviving subtree is
     smaller than bs), sit between receiving the verified tokens and sending the next tree, so
     the target waits for them."""
-    overlap = max(p.target(s.bs) + p.t_comm, s.d * p.draft(s.w))
+    overlap = max((p.target(s.bs) if verify_s is None else verify_s) + p.t_comm, s.d * p.draft(s.w))
     regrow = grow_s(p, s.bs, s.w) * (1 - hit_rate) if topups is None else topups * p.draft(s.w)
     return overlap + p.t_round + (1 - hit_rate) * p.t_prefix_flush + regrow
 
@@ -141,9 +153,9 @@ def tok_s(mode: str, p: SpecProfile, s: Shape, rounds: Rounds) -> float:
     if mode == "plain":
         return plain_tok_s(p)
     if mode == "serial":
-        return rounds.mean / serial_round_s(p, s, rounds.hit_rate, rounds.topups)
+        return rounds.mean / serial_round_s(p, s, rounds.hit_rate, rounds.topups, rounds.verify_s(p, s.bs))
     if mode == "disaggregated":
-        return rounds.mean / disaggregated_round_s(p, s, rounds.hit_rate, rounds.topups)
+        return rounds.mean / disaggregated_round_s(p, s, rounds.hit_rate, rounds.topups, rounds.verify_s(p, s.bs))
     raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
 
 
