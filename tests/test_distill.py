@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from tessera import cli
@@ -37,9 +38,40 @@ def test_a_student_holding_every_target_layer_agrees_everywhere(tiny_models):
 def test_distill_command_writes_a_draft_that_trains_and_drafts_losslessly(tiny_models, tmp_path):
     path, out = tiny_models["llama"], tmp_path / "draft"
     assert cli.main(["draft", "distill", path, "--out", str(out), "--prompts", "6", "--answer-tokens", "8",
-                     "--train-seconds", "3", "--layers", "-1", "--dtype", "float32", "--top-k", "8"]) == 0
+                     "--train-seconds", "600", "--train-steps", "60", "--layers", "-1", "--dtype", "float32",
+                     "--top-k", "8"]) == 0
     report = json.loads((out / "distill.json").read_text())
-    assert report["config"]["layers"] == [1] and report["kl_last_tenth"] < report["kl_first_tenth"]
+    assert report["config"]["layers"] == [1] and report["trained_answers"] == 60
+    assert report["kl_last_tenth"] < report["kl_first_tenth"]
     assert load_model(str(out), torch.float32)[0].config.num_layers == 1
     sampling = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     assert run(engine(path, str(out)), PROMPTS, sampling) == run(engine(path), PROMPTS, sampling)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--layers", "0,0"], "distinct"), (["--layers", "5"], "--layers"), (["--layers", "x"], "comma-separated"),
+    (["--lr", "0"], "--lr"), (["--top-k", "100000"], "--top-k"), (["--prompts", "1"], "--prompts"),
+    (["--out", "EXISTING"], "not an empty directory"),
+])
+def test_distill_refuses_bad_flags_before_any_work(tiny_models, tmp_path, capsys, flags, message):
+    """Refused at once with exit 2 and a message naming the flag (no minutes of generation first);
+    an existing --out (the target's own directory, say) is never overwritten."""
+    path = tiny_models["llama"]
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "config.json").write_text("{}")
+    flags = [str(existing) if f == "EXISTING" else f for f in flags]
+    out = ["--out", str(tmp_path / "new")] if "--out" not in flags else []
+    layers = ["--layers", "0"] if "--layers" not in flags else []    # the default 0,1,2,3: this target has 2
+    with pytest.raises(SystemExit) as e:
+        cli.main(["draft", "distill", path, *out, *layers, *flags])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert (existing / "config.json").read_text() == "{}" and not (tmp_path / "new").exists()
+
+
+def test_a_quantized_checkpoint_is_not_a_target(tiny_models, tmp_path, capsys):
+    q = tmp_path / "q"
+    assert cli.main(["quantize", tiny_models["llama"], "--bits", "int8", "--out", str(q)]) == 0
+    with pytest.raises(SystemExit):
+        cli.main(["draft", "distill", str(q), "--out", str(tmp_path / "d"), "--layers", "0"])
+    assert "dense Llama-family" in capsys.readouterr().err

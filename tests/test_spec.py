@@ -372,9 +372,9 @@ def test_a_failing_proposer_means_plain_decoding_not_an_error(llama):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tree_rows_in_the_paged_kernel_equal_sdpa_with_the_tree_mask(dtype):
+def test_tree_rows_in_the_paged_kernel_equal_sdpa_with_the_tree_mask(dtype, monkeypatch):
     """A verification's draft tree runs through the paged kernel (each node a row over its own
-    slots); given its mask explicitly, the same chunk takes SDPA: both must agree."""
+    slots, one-slot blocks); given its mask explicitly, the same chunk takes SDPA: both must agree."""
     from tessera.batch import build_forward_batch
     from tessera.layers.attention import paged_attention
     from tessera.scheduler import ScheduledRequest, StepPlan
@@ -389,7 +389,12 @@ def test_tree_rows_in_the_paged_kernel_equal_sdpa_with_the_tree_mask(dtype):
     T = batch.num_tokens
     q, k, v = (torch.randn(T, h, D, generator=g).to(dtype) for h in (H, KV, KV))
     caches = [torch.randn(KV, 12 * bs, D, generator=g).to(dtype) for _ in range(2)]
+    kernel, block_sizes = paged_attention_cpu.paged_decode_attention, []
+    monkeypatch.setattr(paged_attention_cpu, "paged_decode_attention",
+                        lambda *args: block_sizes.append(args[-2]) or kernel(*args))
     by_kernel = paged_attention(q, k, v, *(c.clone() for c in caches), batch, D ** -0.5)
+    assert block_sizes == [1]                                   # the tree's rows, in one call
     by_sdpa = paged_attention(q, k, v, *(c.clone() for c in caches), batch, D ** -0.5, [batch.prefills[0].mask])
+    assert block_sizes == [1]
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(by_kernel.float(), by_sdpa.float(), atol=tol, rtol=tol)

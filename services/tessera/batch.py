@@ -29,7 +29,8 @@ class PrefillChunk:
     mask: torch.Tensor | None  # [num_tokens, start_pos + num_tokens] bool causal mask with offset
     in_causal_rows: bool = False  # its tokens are causal rows of the batch (see ForwardBatch)
     # A draft tree's rows for the paged kernel: the cache slots each node attends to (the
-    # context, then its ancestors and itself), as a block table of one-slot blocks, and how many
+    # context, then its ancestors and itself) as a block table of one-slot blocks, padded to W,
+    # and how many of them each node attends to
     row_slots: torch.Tensor | None = None  # [num_tokens, W] int64
     row_lens: torch.Tensor | None = None   # [num_tokens] int64
 

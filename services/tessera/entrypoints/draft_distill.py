@@ -19,6 +19,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=int, default=_D.prompts, help="answers the target generates to learn from")
     p.add_argument("--answer-tokens", type=int, default=_D.answer_tokens, help="longest answer")
     p.add_argument("--train-seconds", type=float, default=_D.train_seconds, help="training time budget")
+    p.add_argument("--train-steps", type=int, default=None, help="and at most this many answers trained on")
     p.add_argument("--lr", type=float, default=_D.lr)
     p.add_argument("--top-k", type=int, default=_D.top_k, help="teacher probabilities kept per position")
     p.add_argument("--dtype", default=_D.dtype, choices=("float32", "bfloat16"),
@@ -31,17 +32,14 @@ def main(a: argparse.Namespace) -> int:
     from tessera.models.loader import load_config, resolve_model_path
     num_layers = load_config(resolve_model_path(a.model)).num_layers
     try:
-        layers = tuple(int(x) % num_layers if -num_layers <= int(x) < num_layers else int("bad")
-                       for x in a.layers.split(","))
+        layers = tuple(int(x) for x in a.layers.split(","))
     except ValueError:
-        raise ConfigError(f"--layers must list layer numbers in [-{num_layers}, {num_layers})") from None
-    if len(set(layers)) != len(layers):
-        raise ConfigError("--layers lists a layer twice")
-    if a.prompts < 2 or a.answer_tokens < 2 or a.train_seconds <= 0 or a.top_k < 1:
-        raise ConfigError("--prompts and --answer-tokens must be >= 2, --train-seconds > 0, --top-k >= 1")
-    cfg = DistillConfig(target=a.model, out=a.out, layers=layers, prompts=a.prompts, answer_tokens=a.answer_tokens,
-                        train_seconds=a.train_seconds, lr=a.lr, top_k=a.top_k, dtype=a.dtype, seed=a.seed,
-                        threads=a.threads)
+        raise ConfigError(f"--layers must be comma-separated layer numbers, not {a.layers!r}") from None
+    if not all(-num_layers <= i < num_layers for i in layers):
+        raise ConfigError(f"--layers must be in [-{num_layers}, {num_layers}): the target has {num_layers} layers")
+    cfg = DistillConfig(target=a.model, out=a.out, layers=tuple(i % num_layers for i in layers), prompts=a.prompts,
+                        answer_tokens=a.answer_tokens, train_seconds=a.train_seconds, train_steps=a.train_steps,
+                        lr=a.lr, top_k=a.top_k, dtype=a.dtype, seed=a.seed, threads=a.threads)
     report = distill(cfg)
     print(json.dumps(report, indent=2))
     return 0

@@ -18,7 +18,7 @@ from tessera.models.llama import CausalLM
 from tessera.scheduler import ScheduledRequest, StepPlan
 
 
-def corpus(split: str) -> str:
+def split_topics(split: str) -> dict[str, str]:
     """'calibration' or 'heldout': half of pydoc_data.topics each, by sorted topic name."""
     from pydoc_data.topics import topics
     names = sorted(topics)
@@ -26,7 +26,12 @@ def corpus(split: str) -> str:
     chosen = names[:half] if split == "calibration" else names[half:] if split == "heldout" else None
     if chosen is None:
         raise ValueError(f"split must be 'calibration' or 'heldout', not {split!r}")
-    return "\n\n".join(topics[n] for n in chosen)
+    return {n: topics[n] for n in chosen}
+
+
+def corpus(split: str) -> str:
+    """A split's topics as one text."""
+    return "\n\n".join(split_topics(split).values())
 
 
 def windows(tokenizer, split: str, num: int, length: int) -> list[list[int]]:

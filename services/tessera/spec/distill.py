@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tessera.config import ConfigError
+
 PROMPTS_FILE = pathlib.Path(__file__).with_name("distill_prompts.txt")
 BENCH_TOPIC = "exceptions"    # bench/prompts/summarisation.txt quotes it: never train on it
 INSTRUCTIONS = ("Explain what this part of the Python documentation says:\n\n{}",
@@ -46,6 +48,7 @@ class DistillConfig:
     prompts: int = 360             # answers generated (hand-written prompts first, then pydoc ones)
     answer_tokens: int = 160
     train_seconds: float = 240.0
+    train_steps: int | None = None  # and at most this many answers (None: the time budget alone)
     lr: float = 3e-4
     top_k: int = 64
     heldout: float = 0.1           # share of the answers kept to measure agreement
@@ -62,13 +65,15 @@ class Sample:
     top_logp: torch.Tensor | None = None    # [len - start, top_k] their log-probabilities
 
 
+EXCERPT, SHORTEST = 700, 200   # characters: a passage ~150-200 tokens long; shorter tails skipped
+
+
 def prompt_texts(count: int, seed: int) -> list[str]:
     """Hand-written prompts, then instructions over excerpts of the calibration topics."""
-    from pydoc_data.topics import topics
+    from tessera.pipeline.quality import split_topics
     texts = [t for t in PROMPTS_FILE.read_text().splitlines() if t.strip()]
-    names = sorted(topics)[:len(topics) // 2]           # quality.corpus's calibration half
-    excerpts = [topics[n][i:i + 700] for n in names if n != BENCH_TOPIC
-                for i in range(0, len(topics[n]), 700) if len(topics[n]) - i > 200]
+    excerpts = [text[i:i + EXCERPT] for name, text in split_topics("calibration").items() if name != BENCH_TOPIC
+                for i in range(0, len(text), EXCERPT) if len(text) - i > SHORTEST]
     rng = random.Random(seed)
     rng.shuffle(excerpts)
     texts += [INSTRUCTIONS[i % len(INSTRUCTIONS)].format(e.strip()) for i, e in enumerate(excerpts)]
@@ -76,6 +81,7 @@ def prompt_texts(count: int, seed: int) -> list[str]:
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
+    """A user message as the target serves it: through its chat template where it has one."""
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                              add_generation_prompt=True)
@@ -89,9 +95,13 @@ def generate_answers(model, tokenizer, cfg: DistillConfig) -> list[Sample]:
     from tessera.engine import Engine
     prompts = [chat_ids(tokenizer, t) for t in prompt_texts(cfg.prompts, cfg.seed)]
     engine = Engine(EngineConfig(model=cfg.target, dtype=cfg.dtype, cache=CacheConfig(kv_cache_gib=2.0)),
-                    model=model, tokenizer=tokenizer)
+                    model=model, tokenizer=tokenizer)   # 2 GiB: SmolLM2's KV for ~5,700 tokens in flight
     answers = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=cfg.answer_tokens))
-    return [Sample(p + a, len(p)) for p, a in zip(prompts, answers) if len(a) > 1]
+    samples = [Sample(p + a, len(p)) for p, a in zip(prompts, answers) if len(a) > 1]
+    if len(samples) < 2:
+        raise ConfigError(f"the target gave {len(samples)} answers longer than one token: at least 2 are "
+                          "needed (one to hold out, one to train on)")
+    return samples
 
 
 def teach(model, samples: list[Sample], top_k: int) -> None:
@@ -152,17 +162,23 @@ def agreement(student, samples: list[Sample], width: int = 4) -> tuple[float, fl
     top1 = topw = total = 0
     with torch.inference_mode():
         for s in samples:
-            logits = student(torch.tensor([s.tokens[:-1]]), logits_to_keep=len(s.top_ids)).logits[0]
-            best = logits.topk(width, dim=-1).indices
+            best = student_logits(student, s).topk(width, dim=-1).indices
             top1 += (best[:, 0] == s.top_ids[:, 0]).sum().item()
             topw += (best == s.top_ids[:, :1]).any(-1).sum().item()
             total += len(s.top_ids)
     return top1 / max(total, 1), topw / max(total, 1)
 
 
+def student_logits(student, s: Sample) -> torch.Tensor:
+    """The student's logits at the positions the teacher's targets are for."""
+    return student(torch.tensor([s.tokens[:-1]]), logits_to_keep=len(s.top_ids)).logits[0]
+
+
 def train(student, samples: list[Sample], cfg: DistillConfig, log=print) -> list[float]:
-    """AdamW on the decoder layers and final norm for cfg.train_seconds; cosine decay of the
-    learning rate over the time budget. Returns the loss of every answer trained on."""
+    """AdamW on the decoder layers and final norm for cfg.train_seconds (or cfg.train_steps
+    answers, whichever ends first); the learning rate warms up over 16 answers (AdamW's moment
+    estimates start at zero) and then decays on a cosine over the budget. Returns the loss of
+    every answer trained on."""
     for p in student.parameters():
         p.requires_grad_(False)
     trained = [p for n, p in student.named_parameters() if n.startswith(("model.layers.", "model.norm."))]
@@ -172,27 +188,50 @@ def train(student, samples: list[Sample], cfg: DistillConfig, log=print) -> list
     rng = random.Random(cfg.seed)
     order: list[Sample] = []
     start, seen, losses = time.monotonic(), 0, []
-    while (elapsed := time.monotonic() - start) < cfg.train_seconds:
+    steps = cfg.train_steps or math.inf
+    while (done := max((time.monotonic() - start) / cfg.train_seconds, seen / steps)) < 1.0:
         if not order:
             order = samples[:]
             rng.shuffle(order)
         s = order.pop()
         for g in opt.param_groups:
-            g["lr"] = cfg.lr * min(1.0, (seen + 1) / 16) * 0.5 * (1 + math.cos(math.pi * elapsed / cfg.train_seconds))
-        logits = student(torch.tensor([s.tokens[:-1]]), logits_to_keep=len(s.top_ids)).logits[0]
-        loss = kl_to_teacher(logits, s.top_ids, s.top_logp)
+            g["lr"] = cfg.lr * min(1.0, (seen + 1) / 16) * 0.5 * (1 + math.cos(math.pi * done))
+        loss = kl_to_teacher(student_logits(student, s), s.top_ids, s.top_logp)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         losses.append(loss.item())
         seen += 1
         if seen % 50 == 0:
-            log(f"  {elapsed:6.0f} s  {seen} answers  KL {sum(losses[-50:]) / 50:.3f}")
+            log(f"  {time.monotonic() - start:6.0f} s  {seen} answers  KL {sum(losses[-50:]) / 50:.3f}")
     return losses
+
+
+def check(cfg: DistillConfig) -> None:
+    """Everything that can be refused before minutes of generation and training."""
+    from tessera.models import quantized_checkpoint
+    from tessera.models.loader import load_config, resolve_model_path
+    path = resolve_model_path(cfg.target)
+    model_cfg = load_config(path)
+    if model_cfg.arch != "llama" or (path.is_dir() and quantized_checkpoint.is_quantized_checkpoint(path)):
+        raise ConfigError("draft distill takes a dense Llama-family target (HF directory, .gguf or 'smollm2')")
+    n = model_cfg.num_layers
+    if not cfg.layers or len(set(cfg.layers)) != len(cfg.layers) or not all(0 <= i < n for i in cfg.layers):
+        raise ConfigError(f"--layers must list distinct layers of the target's {n}")
+    if cfg.prompts < 2 or cfg.answer_tokens < 2 or cfg.train_seconds <= 0 or cfg.lr <= 0 \
+            or (cfg.train_steps is not None and cfg.train_steps < 1) or (cfg.threads is not None and cfg.threads < 1):
+        raise ConfigError("--prompts and --answer-tokens must be >= 2; --train-seconds, --lr, --train-steps "
+                          "and --threads > 0")
+    if not 1 <= cfg.top_k <= model_cfg.vocab_size:
+        raise ConfigError(f"--top-k must be in [1, {model_cfg.vocab_size}]")
+    out = pathlib.Path(cfg.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out {out} exists and is not an empty directory: nothing is overwritten")
 
 
 def distill(cfg: DistillConfig, log=print) -> dict:
     """The whole recipe (module docstring); returns what distill.json records."""
+    check(cfg)
     from tessera.engine import resolve_dtype
     from tessera.models.loader import load_model
     from tessera.tokenizer import load_tokenizer
@@ -211,7 +250,7 @@ def distill(cfg: DistillConfig, log=print) -> dict:
         f"taught in {t_teach:.0f} s")
     held = max(1, int(len(samples) * cfg.heldout))
     test, train_set = samples[:held], samples[held:]
-    student, hf = student_from_target(cfg.target, cfg.layers)
+    student, _ = student_from_target(cfg.target, cfg.layers)
     before = agreement(student, test)
     log(f"held-out agreement with the target before training: top-1 {before[0]:.3f}, top-4 {before[1]:.3f}")
     losses = train(student, train_set, cfg, log)
