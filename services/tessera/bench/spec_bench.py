@@ -80,12 +80,8 @@ class Bench:
 
 
 def load_prompt(kind: str, tokenizer) -> list[int]:
-    text = (PROMPTS / f"{kind}.txt").read_text()
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-        return tokenizer.encode(text, add_special_tokens=False)
-    return tokenizer.encode(text)
+    from tessera.tokenizer import user_message_ids
+    return user_message_ids(tokenizer, (PROMPTS / f"{kind}.txt").read_text())
 
 
 def repeated(engine, prompt: list[int], n: int, max_tokens: int,

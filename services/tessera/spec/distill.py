@@ -80,20 +80,12 @@ def prompt_texts(count: int, seed: int) -> list[str]:
     return texts[:count]
 
 
-def chat_ids(tokenizer, text: str) -> list[int]:
-    """A user message as the target serves it: through its chat template where it has one."""
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-        return tokenizer.encode(text, add_special_tokens=False)
-    return tokenizer.encode(text)
-
-
 def generate_answers(model, tokenizer, cfg: DistillConfig) -> list[Sample]:
     """The target's greedy answers, batched through the engine as it serves them."""
     from tessera.config import CacheConfig, EngineConfig, SamplingParams
     from tessera.engine import Engine
-    prompts = [chat_ids(tokenizer, t) for t in prompt_texts(cfg.prompts, cfg.seed)]
+    from tessera.tokenizer import user_message_ids
+    prompts = [user_message_ids(tokenizer, t) for t in prompt_texts(cfg.prompts, cfg.seed)]
     engine = Engine(EngineConfig(model=cfg.target, dtype=cfg.dtype, cache=CacheConfig(kv_cache_gib=2.0)),
                     model=model, tokenizer=tokenizer)   # 2 GiB: SmolLM2's KV for ~5,700 tokens in flight
     answers = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=cfg.answer_tokens))
