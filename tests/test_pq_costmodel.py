@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from tessera.pipeline.costmodel import SHAPES, Link, MemoryModel, ModelShape, Regression, linear_bytes
+from tessera.pipeline.costmodel import SHAPES, Link, MemoryModel, ModelShape, Piecewise, Regression, linear_bytes
 from tessera.pipeline.devices import GPU_RESERVED, load_cluster, load_gpu_specs
 
 SMOL = ModelShape("smollm2", "llama", 30, 576, 1536, 9, 3, 64, 49152)
@@ -64,6 +64,56 @@ def test_regression_recovers_coefficients_and_stays_in_the_profiled_box():
     assert neg.predict(1, 10) == pytest.approx(1e-4 * 16 * 10 - 5e-3)
     assert Regression("decode", neg.coef, neg.lo, neg.hi, 0.02).predict(1, 10) == 0.02
     assert Regression.from_dict(r.to_dict()) == r
+
+
+def test_piecewise_decode_fit_has_one_regression_per_kernel_regime():
+    """Up to 16 rows a GEMV that reads the weights once per pass of 4 rows (5 rows cost what 8
+    do), above it a GEMM (a fixed dequantize, then a cheaper slope): one fit per regime recovers
+    both; a single fit misses by far more."""
+    def truth(b, s, i):
+        if b <= 16:
+            return 2e-4 + 1e-5 * b + 6e-5 * math.ceil(b / 4) + 1e-8 * b * (s + i)
+        return 9e-4 + 1e-5 * b + 1e-8 * b * (s + i)
+    pts = [(b, s, i, truth(b, s, i)) for b in (1, 2, 3, 4, 6, 8, 12, 16, 20, 32, 48)
+           for s, i in ((32, 0), (128, 96), (64, 32))]
+    pw = Piecewise.fit("decode", pts, ((16, 4), (0, 1)))
+    assert pw.splits == (16,) and [r.rows_per_pass for r in pw.pieces] == [4, 1]
+    for b in (5, 7, 16, 24, 40):
+        assert pw.predict(b, 64, 16) == pytest.approx(truth(b, 64, 16), rel=1e-6), b
+    assert pw.predict(17, 64, 16) == pytest.approx(truth(20, 64, 16), rel=1e-6)     # clamped into its regime's box
+    single = Regression.fit("decode", pts)
+    assert max(abs(single.predict(b, s, i) / t - 1) for b, s, i, t in pts) > 0.2
+    # a regime with too few points is merged into the next one
+    assert Piecewise.fit("decode", pts, ((1, 1), (16, 4), (0, 1))).splits == (16,)
+    assert Piecewise.from_dict(pw.to_dict()) == pw
+    assert Piecewise.from_dict(single.to_dict()) == Piecewise((), (single,))     # a profile from before the pieces
+
+
+def test_decode_regimes_are_where_the_linears_change_kernel(monkeypatch):
+    """The regimes the profile fits by are the row counts at which the forwards switch from the
+    C GEMVs to a GEMM path."""
+    import torch
+
+    from tessera.layers.linear import Linear
+    from tessera.layers.quant import decode_regimes, quantized_linear
+    from tessera_kernels import gemv_cpu, gemv_quant_cpu
+    if not (gemv_cpu.available() and gemv_quant_cpu.available()):
+        pytest.skip("no C compiler: every linear has one kernel")
+    calls = []
+    for mod, name in ((gemv_cpu, "gemv_bf16"), (gemv_quant_cpu, "gemv_q8"), (gemv_quant_cpu.Q4Weight, "gemv")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
+    torch.manual_seed(0)
+    dense = Linear(192, 64, bias=False).to(torch.bfloat16)
+    for bits, layer in ((16, dense), (8, quantized_linear(dense, 8)), (4, quantized_linear(dense, 4)),
+                        (3, quantized_linear(dense, 3))):
+        (most, _), last = decode_regimes(bits, torch.bfloat16)
+        assert last == (0, 1)
+        for rows, gemv in ((1, True), (most, True), (most + 1, False), (64, False)):
+            calls.clear()
+            layer(torch.randn(rows, 192, dtype=torch.bfloat16))
+            assert bool(calls) == gemv, (bits, rows)
+    assert decode_regimes(16, torch.float32) == ((0, 1),)
 
 
 def test_link_fit_recovers_latency_and_bandwidth():

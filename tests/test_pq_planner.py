@@ -3,6 +3,7 @@ split and per-layer bit-width of small instances, the baselines against their de
 plan validator against broken plans, the enumeration of device orders, and memory budgets."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -51,8 +52,8 @@ def splits(layers: int, devices: int):
 def reference_objective(t: Tables, device, bits, kind: str) -> float:
     """The objective of papers.md §4.5 (or 'rounds'), written out again for the brute force."""
     n = t.devices
-    pre = [t.pre0 if j == 0 else 0.0 for j in range(n)]
-    dec = [t.dec0 if j == 0 else 0.0 for j in range(n)]
+    pre = [t.pre0 if j == t.prepost_stage else 0.0 for j in range(n)]
+    dec = [t.dec0 if j == t.prepost_stage else 0.0 for j in range(n)]
     for j, b in zip(device, bits):
         pre[j] += t.l_pre[j][BITS.index(b)]
         dec[j] += t.l_dec[j][BITS.index(b)]
@@ -62,7 +63,10 @@ def reference_objective(t: Tables, device, bits, kind: str) -> float:
     total = sum(pre) + (t.prefill_micro_batches - 1) * max(pre) + t.theta * omega
     if kind == "paper":
         return total + sum(dec) + (t.decode_micro_batches - 1) * max(dec) * (t.mu_n - 1)
-    return total + (t.mu_n - 1) * max(sum(dec), t.decode_micro_batches * max(dec))
+    if t.steps_overlap:       # micro-batches flow from step to step: the bottleneck stage runs all of them
+        return total + (t.mu_n - 1) * max(sum(dec), t.decode_micro_batches * max(dec))
+    # every step fills and drains: the first micro-batch crosses every stage, the rest follow the slowest
+    return total + (t.mu_n - 1) * (sum(dec) + (t.decode_micro_batches - 1) * max(dec))
 
 
 def fits(t: Tables, device, bits) -> bool:
@@ -83,13 +87,15 @@ def brute_force(t: Tables, key, allowed=BITS):
     return best
 
 
-@pytest.mark.parametrize("kind", ["paper", "rounds"])
+@pytest.mark.parametrize("kind", ["paper", "rounds", "rounds, fill and drain"])
 @pytest.mark.parametrize("seed,layers,devices,speed", [
     (0, 5, 2, None), (1, 6, 2, None), (2, 6, 2, None), (3, 4, 3, None), (4, 5, 3, None),
     (5, 5, 3, (1.0, 8.0, 1.0)),         # a slow middle device the optimum would rather skip
 ])
 def test_ilp_optimum_equals_brute_force(seed, layers, devices, speed, kind):
     t = random_tables(seed, layers, devices, speed=speed)
+    if kind == "rounds, fill and drain":        # Tessera's runner: the head on the last stage, no overlap
+        t, kind = dataclasses.replace(t, prepost_stage=devices - 1, steps_overlap=False), "rounds"
     best = brute_force(t, lambda d, b: reference_objective(t, d, b, kind))
     assert best is not None, "test instance must be feasible"
     a = ilp.solve(t, kind, time_limit_s=30).assignment
@@ -157,17 +163,19 @@ def latency(speed: float) -> ProfiledLatency:
     return ProfiledLatency(fits_, pp)
 
 
-def small_case(fast_mem=0.02, slow_mem=0.02, omega=None):
+def small_case(fast_mem=0.02, slow_mem=0.02, omega=None, runtime="tessera"):
     cluster = Cluster((Device("slow", "slow", slow_mem, profile="x"), Device("fast", "fast", fast_mem, profile="x")))
     om = omega or tuple(tuple(1 / (2 ** (b - 1) - 1) ** 2 * (1 + i % 3) for b in BITS) for i in range(SHAPE.layers))
-    cost = CostModel("tiny", MemoryModel(SHAPE), {"slow": latency(4.0), "fast": latency(1.0)}, om, BITS)
+    cost = CostModel("tiny", MemoryModel(SHAPE), {"slow": latency(4.0), "fast": latency(1.0)}, om, BITS, runtime)
     return cluster, cost, Workload(8, 64, 16, theta=0.01, time_limit_s=30)
 
 
-def test_enumeration_finds_the_better_device_order():
-    """The slow device is listed first; stage 0 carries the pre/post time, so the plan that
-    starts on the fast device must win, and the planner must find it among the orders."""
-    cluster, cost, work = small_case()
+@pytest.mark.parametrize("runtime,head", [("llm-pq", 0), ("tessera", -1)])
+def test_enumeration_finds_the_better_device_order(runtime, head):
+    """The slow device is listed first; the stage holding the head (stage 0 in LLM-PQ's runtime,
+    the last in ours) carries the pre/post time, so the plan with the fast device there must
+    win, and the planner must find it among the orders."""
+    cluster, cost, work = small_case(runtime=runtime)
     assert [o[0].name for o in type_orders(cluster)] == ["slow", "fast"]
     per_order = {}
     for order in type_orders(cluster):
@@ -175,9 +183,9 @@ def test_enumeration_finds_the_better_device_order():
         for xi in prefill_sizes(4):
             t = tables_for(cluster, cost, work, order, xi)
             objectives.append(ilp.evaluate(t, ilp.solve(t).assignment).objective)
-        per_order[order[0].name] = min(objectives)
+        per_order[order[head].name] = min(objectives)
     plan = plan_method("llm-pq", cluster, cost, work)
-    assert plan.order[0] == "fast" and per_order["fast"] < per_order["slow"]
+    assert plan.order[head] == "fast" and per_order["fast"] < per_order["slow"]
     assert plan.objective == pytest.approx(per_order["fast"])
 
 
@@ -298,3 +306,47 @@ def test_a_plans_topology_runs_its_stages_as_planned(tmp_path):
         device = next(d for d in cluster.devices if d.name == s.device)
         assert f"--layers {s.start}:{s.end}" in argv and f"--quantization {plan_file}" in argv
         assert f"--threads {device.threads}" in argv and f"--memory-gib {device.memory_gib}" in argv
+
+
+def test_predict_costs_a_plan_at_workloads_it_was_not_made_for():
+    from tessera.pipeline.planner import predict
+    cluster, cost, work = small_case()
+    plan = plan_method("llm-pq", cluster, cost, work)
+    same = predict(plan, cluster, cost, work)
+    assert (same.prefill_s, same.decode_s) == pytest.approx((plan.prefill_s, plan.decode_s))
+    longer = predict(plan, cluster, cost, dataclasses.replace(work, gen_len=2 * work.gen_len))
+    assert longer.prefill_s == pytest.approx(plan.prefill_s) and longer.decode_s > 1.9 * plan.decode_s
+    # one prompt: a single prefill micro-batch of one prompt, not one of ξ
+    one_prompt = dataclasses.replace(work, batch=1)
+    devices = {d.name: d for d in cluster.devices}
+    t = tables_for(cluster, cost, one_prompt, tuple(devices[name] for name in plan.order), 1)
+    assert t.prefill_micro_batches == 1
+    assert predict(plan, cluster, cost, one_prompt).prefill_s == pytest.approx(sum(ilp.evaluate(t, ilp.Assignment(
+        tuple(j for j, s in enumerate(plan.stages) for _ in range(s.start, s.end)), plan.layer_bits)).pre))
+
+
+def test_bench_pq_workloads_and_calibration():
+    """Held-out workloads larger than the planned one are refused (the plan's budgets would not
+    hold them); the overheads fitted on one plan's runs predict the others."""
+    from types import SimpleNamespace
+
+    from tessera.bench.pq_bench import calibrate, workloads
+    a = SimpleNamespace(batch=8, prompt_len=64, gen_len=32, heldout="4,64,32;8,32,48")
+    assert workloads(a) == [(8, 64, 32), (4, 64, 32), (8, 32, 48)]
+    for bad in ("16,64,32", "8,64,64", "8,64", "a,b,c", "0,8,8"):
+        with pytest.raises(SystemExit):
+            workloads(SimpleNamespace(batch=8, prompt_len=64, gen_len=32, heldout=bad))
+
+    def run(n, predicted_prefill, predicted_decode, prefill_over=0.1, step_over=0.01):
+        return {"gen_len": n, "predicted_prefill_s": predicted_prefill, "predicted_decode_s": predicted_decode,
+                "predicted_s": predicted_prefill + predicted_decode,
+                "measured_prefill_s": predicted_prefill + prefill_over,
+                "measured_decode_s": predicted_decode + (n - 1) * step_over,
+                "measured_s": predicted_prefill + prefill_over + predicted_decode + (n - 1) * step_over}
+    rows = [{"plan": "uniform", "workloads": [run(32, 0.3, 0.5), run(48, 0.2, 0.8)]},
+            {"plan": "llm-pq", "workloads": [run(32, 0.2, 0.4), run(16, 0.1, 0.2)]}]
+    assert calibrate(rows, "uniform") == {"plan": "uniform", "overhead_per_prefill_ms": 100.0,
+                                          "overhead_per_decode_step_ms": 10.0}
+    assert all(w["calibrated_error_pct"] == 0.0 for w in rows[1]["workloads"])
+    assert "calibrated_error_pct" not in rows[0]["workloads"][0]
+    assert calibrate(rows, "pipeedge") is None

@@ -5,6 +5,7 @@ records with their line numbers and never stop the file; malformed files are ref
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -80,6 +81,7 @@ def test_run_batch_in_process_and_against_a_deployment(tiny_models, served, tmp_
         done = run_batch("-i", source, "-o", str(out), *args)
         assert done.returncode == 0, done.stderr[-3000:]
         assert f"{len(lines)} requests: {len(REQUESTS)} succeeded" in done.stderr
+        assert float(re.search(r"failed in ([0-9.]+) s", done.stderr).group(1)) > 0     # bench pq reads this
         records = [json.loads(x) for x in out.read_text().splitlines()]
         assert len(records) == len(lines) and len({r["id"] for r in records}) == len(lines)
         by_id = {r["custom_id"]: r for r in records if r["custom_id"]}

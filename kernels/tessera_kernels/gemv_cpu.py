@@ -33,11 +33,15 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+def available() -> bool:
+    return _library() is not None
+
+
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the kernel takes this product: bf16 on the CPU, few rows, K a multiple of 16."""
     return (x.dtype == w.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2
             and 1 <= x.shape[0] <= MAX_ROWS and w.shape[1] % 16 == 0 and w.is_contiguous()
-            and _library() is not None)
+            and available())
 
 
 def gemv_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

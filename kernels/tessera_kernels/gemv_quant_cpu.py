@@ -18,6 +18,7 @@ import torch
 from tessera_kernels import cbuild
 
 RUN = 32   # columns per packed run; int4 groups are whole runs
+ROWS_PER_PASS = 4   # csrc/gemv_quant.c's ROWS: the weights are read once per pass of up to 4 rows
 
 
 def pack_q4(codes: torch.Tensor) -> torch.Tensor:

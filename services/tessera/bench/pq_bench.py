@@ -5,12 +5,16 @@ and `profile:` a `tessera profile pq` JSON), every planner method (llm-pq, unifo
 adabits) plans the offline workload (B prompts of s tokens, n generated each); each plan is
 then run as a user would: its plan file and a pipeline topology (one stage per device, the
 plan's layer ranges, threads and memory budget) are written, `tessera up` starts the stages and
-the gateway, and `tessera run-batch --url` sends the B requests (greedy, ignore_eos) at once.
-Rows {"plan", "measured_tok_s", "predicted_tok_s", "perplexity", ...}; perplexity is held-out
-(pipeline/quality.py) with the plan's per-layer bits; "calibrated_tok_s" adds one per-step
-overhead fitted on --calibrate-on's run, and "calibrated_error_pct" is that prediction's error on
-the other plans (see calibrate). A plan whose stage refuses to start (its
-memory budget) or whose run fails is a row with its error.
+the gateway, and `tessera run-batch --url` sends the B requests (greedy, ignore_eos) at once,
+after one untimed batch (warm-up), --reps times (median), as B prompts to their first token
+(max_tokens 1: the prefill) and as the whole batch (the decode steps are the difference).
+The same is done at the --heldout workloads, which no plan was made for: "workloads" holds
+predicted against measured for each. Rows {"plan", "measured_tok_s", "predicted_tok_s",
+"perplexity", "workloads", ...}; perplexity is held-out (pipeline/quality.py) with the plan's
+per-layer bits; "calibrated_s" adds one overhead per prefill and per decode step fitted on
+--calibrate-on's runs, and "calibrated_error_pct" is that prediction's error on the other plans
+(see calibrate). A plan whose stage refuses to start (its memory budget) or whose run fails is
+a row with its error.
 """
 from __future__ import annotations
 
@@ -18,7 +22,9 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,34 +46,63 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--work-dir", default=None, help="where plans, topologies and results go (default: a temp dir)")
     p.add_argument("--startup-timeout-s", type=float, default=240.0)
     p.add_argument("--calibrate-on", default="uniform",
-                   help="plan whose measured run fits the per-step overhead the others are predicted with")
+                   help="plan whose measured runs fit the per-step overheads the others are predicted with")
+    p.add_argument("--heldout", default="4,64,32;8,32,48;6,48,40",
+                   help="more workloads B,s,n;... each plan is measured and predicted at (never planned for)")
+    p.add_argument("--reps", type=int, default=3, help="timed runs per workload (median)")
 
 
-def requests_file(path: pathlib.Path, a: argparse.Namespace, vocab: int, model_id: str) -> None:
-    """B completions of exactly s prompt tokens (ids spread over the vocabulary), n tokens each."""
+def requests_file(path: pathlib.Path, w: tuple[int, int, int], vocab: int, model_id: str, run: int) -> None:
+    """B completions of exactly s prompt tokens (ids spread over the vocabulary), n tokens each;
+    every run gets prompts of its own (the same ones again would be prefix-cache hits)."""
+    batch, prompt_len, gen_len = w
     with path.open("w") as f:
-        for r in range(a.batch):
-            prompt = [(1000 + 7919 * (r * a.prompt_len + i)) % (vocab - 200) + 100 for i in range(a.prompt_len)]
-            body = {"model": model_id, "prompt": prompt, "max_tokens": a.gen_len, "temperature": 0, "ignore_eos": True}
+        for r in range(batch):
+            prompt = [(1000 + 7919 * (r * prompt_len + i) + 104729 * run) % (vocab - 200) + 100
+                      for i in range(prompt_len)]
+            body = {"model": model_id, "prompt": prompt, "max_tokens": gen_len, "temperature": 0, "ignore_eos": True}
             f.write(json.dumps({"custom_id": f"r{r}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
 
 
-def run_plan(topo_file: pathlib.Path, req: pathlib.Path, out: pathlib.Path, a: argparse.Namespace) -> float:
-    """Seconds `run-batch --url` takes against `tessera up topo_file` (started and stopped here)."""
+def run_batch(req: pathlib.Path, out: pathlib.Path, a: argparse.Namespace) -> float:
+    """`tessera run-batch --url` on req: the seconds it reports from its first request to its
+    last answer (its own start-up not counted); every line must succeed."""
+    done = subprocess.run([*TESSERA, "run-batch", "-i", str(req), "-o", str(out), "--url",
+                           f"http://127.0.0.1:{a.port}/v1"], check=True, capture_output=True, text=True)
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    bad = [r for r in results if r.get("error") or r["response"]["status_code"] != 200]
+    if bad:
+        raise RuntimeError(f"{len(bad)} of {len(results)} requests failed: {bad[0]}")
+    match = re.search(r"failed in ([0-9.]+) s", done.stderr)
+    if match is None:
+        raise RuntimeError(f"run-batch did not report its time: {done.stderr[-300:]}")
+    return float(match.group(1))
+
+
+def run_plan(topo_file: pathlib.Path, workloads: list[tuple[int, int, int]], a: argparse.Namespace, vocab: int,
+             model_id: str) -> dict[tuple[int, int, int], tuple[float, float]]:
+    """Per workload (B, s, n): the median seconds of (B prompts to their first token, the whole
+    batch) over --reps runs, against `tessera up topo_file` (started and stopped here). The
+    first workload runs once untimed before anything is measured: a served stack's first
+    batch pays one-off costs (oneDNN's weight reorders, the KV cache's first touch)."""
     log = topo_file.with_suffix(".log").open("w")
     up = subprocess.Popen([*TESSERA, "up", str(topo_file)], stdout=log, stderr=subprocess.STDOUT,
                           start_new_session=True)
+    out, req = topo_file.with_suffix(".results.jsonl"), topo_file.with_suffix(".requests.jsonl")
+    runs = iter(range(1 << 30))
+
+    def timed(w: tuple[int, int, int]) -> float:
+        requests_file(req, w, vocab, model_id, next(runs))
+        return run_batch(req, out, a)
     try:
         _wait_ready(f"http://127.0.0.1:{a.port}", up, a.startup_timeout_s, topo_file.with_suffix(".log"))
-        start = time.perf_counter()
-        subprocess.run([*TESSERA, "run-batch", "-i", str(req), "-o", str(out), "--url",
-                        f"http://127.0.0.1:{a.port}/v1"], check=True, capture_output=True)
-        wall = time.perf_counter() - start
-        results = [json.loads(line) for line in out.read_text().splitlines()]
-        bad = [r for r in results if r.get("error") or r["response"]["status_code"] != 200]
-        if bad:
-            raise RuntimeError(f"{len(bad)} of {len(results)} requests failed: {bad[0]}")
-        return wall
+        timed(workloads[0])
+        times = {}
+        for w in workloads:
+            first = [timed((*w[:2], 1)) for _ in range(a.reps)]
+            whole = [timed(w) for _ in range(a.reps)]
+            times[w] = (statistics.median(first), statistics.median(whole))
+        return times
     finally:
         os.killpg(up.pid, signal.SIGTERM)
         try:
@@ -102,22 +137,66 @@ def perplexity(model: str, plan_file: pathlib.Path, windows: int) -> float:
     return quality.perplexity(net, quality.windows(load_tokenizer(model), "heldout", windows, 256))
 
 
-def calibrate(rows: list[dict], batch: int, gen_len: int, on: str) -> dict | None:
-    """The planner sums layer times; a served decode step also pays the scheduler, sampler,
-    transport hops and the pipeline's fill/drain. Fit that as one overhead per decode step on
-    the `on` plan's measured run, then predict the OTHER plans with it (held out: their error is
-    the cost model's end-to-end error once calibrated on this machine)."""
-    base = next((r for r in rows if r["plan"] == on and r.get("measured_tok_s")), None)
+def workloads(a: argparse.Namespace) -> list[tuple[int, int, int]]:
+    """(B, s, n): the planned workload first, then the held-out ones (no larger than it in B or
+    in s + n, so the plan's memory budgets and KV cache hold them)."""
+    out = [(a.batch, a.prompt_len, a.gen_len)]
+    for part in filter(None, (a.heldout or "").split(";")):
+        try:
+            w = tuple(int(v) for v in part.split(","))
+        except ValueError:
+            w = ()
+        if len(w) != 3 or min(w) < 1 or w[0] > a.batch or w[1] + w[2] > a.prompt_len + a.gen_len:
+            raise SystemExit(f"--heldout {part!r}: B,s,n with B <= {a.batch} and s + n <= {a.prompt_len + a.gen_len}")
+        out.append(w)
+    return list(dict.fromkeys(out))
+
+
+def compare(plan, cluster, cost, work, measured: dict) -> list[dict]:
+    """Predicted against measured, per workload: the prefill (to every prompt's first token),
+    the n - 1 decode steps after it, and the whole batch."""
+    from dataclasses import replace
+
+    from tessera.pipeline.planner import predict
+    rows = []
+    for k, ((b, s, n), (first, whole)) in enumerate(measured.items()):
+        ev = predict(plan, cluster, cost, replace(work, batch=b, prompt_len=s, gen_len=n))
+        rows.append({"batch": b, "prompt_len": s, "gen_len": n, "heldout": k > 0,
+                     "measured_prefill_s": round(first, 4), "predicted_prefill_s": round(ev.prefill_s, 4),
+                     "measured_decode_s": round(whole - first, 4), "predicted_decode_s": round(ev.decode_s, 4),
+                     "measured_s": round(whole, 4), "predicted_s": round(ev.prefill_s + ev.decode_s, 4),
+                     "error_pct": round(100 * ((ev.prefill_s + ev.decode_s) / whole - 1), 1)})
+    return rows
+
+
+def calibrate(rows: list[dict], on: str) -> dict | None:
+    """The planner sums layer and link times; a served batch also pays the scheduler, sampler,
+    detokenizer, gRPC and HTTP once per step. Fit that as one overhead per prefill and one per
+    decode step on the `on` plan's workloads, then predict the OTHER plans' workloads with it
+    (their errors are the cost model's end-to-end errors once calibrated on this machine)."""
+    base = next((r for r in rows if r["plan"] == on and r.get("workloads")), None)
     if base is None:
         return None
-    tokens = batch * gen_len
-    overhead = (tokens / base["measured_tok_s"] - tokens / base["predicted_tok_s"]) / gen_len
+    ws = base["workloads"]
+    prefill = statistics.mean(w["measured_prefill_s"] - w["predicted_prefill_s"] for w in ws)
+    step = statistics.mean((w["measured_decode_s"] - w["predicted_decode_s"]) / max(1, w["gen_len"] - 1) for w in ws)
     for r in rows:
-        if r.get("predicted_tok_s"):
-            r["calibrated_tok_s"] = round(tokens / (tokens / r["predicted_tok_s"] + gen_len * overhead), 2)
-            if r.get("measured_tok_s") and r["plan"] != on:
-                r["calibrated_error_pct"] = round(100 * (r["calibrated_tok_s"] / r["measured_tok_s"] - 1), 1)
-    return {"plan": on, "overhead_per_decode_step_ms": round(1000 * overhead, 2)}
+        for w in r.get("workloads", ()):
+            w["calibrated_s"] = round(w["predicted_s"] + prefill + (w["gen_len"] - 1) * step, 4)
+            if r["plan"] != on:
+                w["calibrated_error_pct"] = round(100 * (w["calibrated_s"] / w["measured_s"] - 1), 1)
+    return {"plan": on, "overhead_per_prefill_ms": round(1000 * prefill, 2),
+            "overhead_per_decode_step_ms": round(1000 * step, 2)}
+
+
+def summary(rows: list[dict]) -> dict:
+    """Mean and largest |error| over every plan's workloads: raw, and calibrated (other plans)."""
+    out = {}
+    for key in ("error_pct", "calibrated_error_pct"):
+        errs = [abs(w[key]) for r in rows for w in r.get("workloads", ()) if key in w]
+        if errs:
+            out[key] = {"mean_abs": round(statistics.mean(errs), 1), "max_abs": max(errs), "points": len(errs)}
+    return out
 
 
 def main(a: argparse.Namespace) -> int:
@@ -127,12 +206,12 @@ def main(a: argparse.Namespace) -> int:
     from tessera.pipeline.planner import plan_all
     if not a.devices:
         raise SystemExit("--devices: a devices.yaml of virtual devices with `profile:` (see the README)")
+    ws = workloads(a)
     cluster, cost, work, notes = plan_cli.build(a)
     plans = plan_all(cluster, cost, work, efficient=a.efficient)
     work_dir = pathlib.Path(a.work_dir or tempfile.mkdtemp(prefix="bench-pq-"))
     work_dir.mkdir(parents=True, exist_ok=True)
-    req = work_dir / "requests.jsonl"
-    requests_file(req, a, load_config(resolve_model_path(a.model)).vocab_size, model_id_for(a.model))
+    vocab, model_id = load_config(resolve_model_path(a.model)).vocab_size, model_id_for(a.model)
     devices = {d.name: d for d in cluster.devices}
     rows = []
     for method, plan in plans.items():
@@ -151,13 +230,14 @@ def main(a: argparse.Namespace) -> int:
         row.update(layout=plan.layout(), omega_sum=round(plan.omega_sum, 6),
                    perplexity=round(perplexity(a.model, plan_file, a.ppl_windows), 3))
         try:
-            wall = run_plan(topo_file, req, work_dir / f"{slug}.results.jsonl", a)
-            row.update(measured_tok_s=round(a.batch * a.gen_len / wall, 2), wall_s=round(wall, 2))
+            measured = run_plan(topo_file, ws, a, vocab, model_id)
+            row.update(measured_tok_s=round(a.batch * a.gen_len / measured[ws[0]][1], 2),
+                       workloads=compare(plan, cluster, cost, work, measured))
         except (RuntimeError, subprocess.CalledProcessError) as e:
             row["error"] = str(e)[-400:]
         rows.append(row)
-    calibration = calibrate(rows, a.batch, a.gen_len, a.calibrate_on)
+    calibration = calibrate(rows, a.calibrate_on)
     report = {"batch": a.batch, "prompt_len": a.prompt_len, "gen_len": a.gen_len, "notes": notes,
-              "work_dir": str(work_dir), "calibration": calibration, "rows": rows}
-    print(json.dumps(report, indent=1) if a.json else "\n".join(json.dumps(r) for r in rows))
+              "work_dir": str(work_dir), "calibration": calibration, "errors": summary(rows), "rows": rows}
+    print(json.dumps(report, indent=1) if a.json else "\n".join(json.dumps(r) for r in [*rows, report["errors"]]))
     return 0

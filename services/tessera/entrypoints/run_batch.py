@@ -13,6 +13,7 @@ import logging
 import os
 import pathlib
 import sys
+import time
 
 from tessera.batch_jobs.format import BatchLine, FileError, parse, succeeded
 from tessera.config import EngineConfig
@@ -44,7 +45,7 @@ def main(a: argparse.Namespace) -> int:
         print("tessera run-batch: --concurrency must be >= 1", file=sys.stderr)
         return 2
     logging.getLogger("httpx").setLevel(logging.WARNING)    # a line per request; the gateway's access log has them
-    records = _in_process(lines, a) if a.url is None else asyncio.run(_run(lines, None, a, a.concurrency or 16))
+    records, elapsed = _in_process(lines, a) if a.url is None else asyncio.run(_run(lines, None, a, a.concurrency or 16))
     out = pathlib.Path(a.output_file)
     tmp = out.with_name(out.name + ".part")
     with open(tmp, "w", encoding="utf-8") as f:
@@ -52,12 +53,12 @@ def main(a: argparse.Namespace) -> int:
             f.write(json.dumps(records[line.index], ensure_ascii=False) + "\n")
     os.replace(tmp, out)    # a reader never sees half a results file
     ok = sum(succeeded(r) for r in records.values())
-    print(f"tessera run-batch: {len(lines)} requests: {ok} succeeded, {len(lines) - ok} failed -> {out}",
-          file=sys.stderr)
+    print(f"tessera run-batch: {len(lines)} requests: {ok} succeeded, {len(lines) - ok} failed in {elapsed:.3f} s "
+          f"-> {out}", file=sys.stderr)
     return 0
 
 
-def _in_process(lines: list[BatchLine], a: argparse.Namespace) -> dict[int, dict]:
+def _in_process(lines: list[BatchLine], a: argparse.Namespace) -> tuple[dict[int, dict], float]:
     from tessera.async_engine import AsyncEngine
     from tessera.engine import Engine
     from tessera.entrypoints.gateway.admission import Admission, AdmissionConfig
@@ -73,13 +74,15 @@ def _in_process(lines: list[BatchLine], a: argparse.Namespace) -> dict[int, dict
         engine.shutdown()
 
 
-async def _run(lines: list[BatchLine], app, a: argparse.Namespace, concurrency: int) -> dict[int, dict]:
-    """Every line's record by its index: through `app` in this process, else to a.url."""
+async def _run(lines: list[BatchLine], app, a: argparse.Namespace, concurrency: int) -> tuple[dict[int, dict], float]:
+    """Every line's record by its index: through `app` in this process, else to a.url; and the
+    seconds from the first request sent to the last answer (no start-up, no file writing)."""
     from tessera.batch_jobs.executor import LineSender, in_process, remote, run_lines
     records: dict[int, dict] = {}
 
     async def keep(line: BatchLine, record: dict) -> None:
         records[line.index] = record
     async with (in_process(app) if app is not None else remote(a.url, a.api_key)) as http:
+        start = time.perf_counter()
         await run_lines(lines, LineSender(http, patience_s=PATIENCE_S), concurrency, keep)
-    return records
+        return records, time.perf_counter() - start

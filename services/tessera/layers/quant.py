@@ -170,6 +170,22 @@ class Int4Linear(_PackedFormat):
         return y if self.bias is None else y + self.bias
 
 
+def decode_regimes(bits: int, dtype: torch.dtype) -> tuple[tuple[int, int], ...]:
+    """How a linear of this bit-width runs b rows on this machine, as the forwards above (and
+    layers/linear.py for 16 bits) choose: (most rows, rows per pass over the weights) for each
+    kernel in turn, the last one taking every larger b (most rows 0). The cost model fits one
+    decode regression per regime (pipeline/costmodel.py: Piecewise)."""
+    from tessera_kernels import gemv_cpu
+    if bits == 16:
+        gemv = dtype == torch.bfloat16 and gemv_cpu.available()
+        return ((gemv_cpu.MAX_ROWS, gemv_cpu.MAX_ROWS), (0, 1)) if gemv else ((0, 1),)
+    if not gemv_quant_cpu.available():
+        return ((0, 1),)
+    if bits == 8:
+        return ((GEMV_MAX_ROWS_INT8, gemv_quant_cpu.ROWS_PER_PASS), (0, 1))
+    return ((GEMV_MAX_ROWS, gemv_quant_cpu.ROWS_PER_PASS), (0, 1))
+
+
 def quantized_linear(linear: nn.Linear, bits: int, group_size: int = 32) -> nn.Module:
     """The quantized replacement of `linear` (16 bits: the linear itself)."""
     if bits == 16:

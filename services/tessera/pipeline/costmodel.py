@@ -172,6 +172,17 @@ FEATURES: dict[str, Callable[[float, float, float], tuple[float, ...]]] = {
     "prepost_prefill": _prepost_prefill_features, "prepost_decode": _prepost_decode_features}
 
 
+def _features(phase: str, rows_per_pass: int, b: float, s: float, i: float) -> tuple[float, ...]:
+    """A decode kernel that reads the weights once per pass of k rows pays per pass as well as
+    per row: one more feature, the passes ⌈b/k⌉ (the int4 GEMV at 5 rows costs what it does at 8)."""
+    f = FEATURES[phase](b, s, i)
+    if rows_per_pass == 1:
+        return f
+    if phase != "decode":
+        raise ValueError(f"rows per pass only for decode, not {phase}")
+    return (*f[:2], math.ceil(b / rows_per_pass), *f[2:])
+
+
 @dataclass(frozen=True)
 class Regression:
     """A latency fit: seconds = coef · features(b, s, i). Inputs are clamped into the profiled
@@ -182,13 +193,17 @@ class Regression:
     lo: tuple[float, float, float]
     hi: tuple[float, float, float]
     floor: float
+    rows_per_pass: int = 1   # decode: the weights are read once per pass of this many rows
+
+    def features(self, b: float, s: float, i: float) -> tuple[float, ...]:
+        return _features(self.phase, self.rows_per_pass, b, s, i)
 
     @classmethod
-    def fit(cls, phase: str, points: Sequence[tuple[float, float, float, float]]) -> "Regression":
+    def fit(cls, phase: str, points: Sequence[tuple[float, float, float, float]],
+            rows_per_pass: int = 1) -> "Regression":
         """Least squares on (b, s, i, seconds), relative error weighted (1 / seconds): a stage
         sums layers of one size, so every point's error counts in percent, as it is reported."""
-        feats = FEATURES[phase]
-        x = np.array([feats(b, s, i) for b, s, i, _ in points], dtype=float)
+        x = np.array([_features(phase, rows_per_pass, b, s, i) for b, s, i, _ in points], dtype=float)
         y = np.array([t for *_, t in points], dtype=float)
         if len(points) < x.shape[1] or (y <= 0).any():
             raise ValueError(f"{phase}: need at least {x.shape[1]} points with positive times")
@@ -198,29 +213,82 @@ class Regression:
         coef, *_ = np.linalg.lstsq(x / scale * w[:, None], y * w, rcond=None)
         box = np.array([p[:3] for p in points], dtype=float)
         return cls(phase, tuple(float(c) for c in coef / scale), tuple(box.min(axis=0)), tuple(box.max(axis=0)),
-                   float(y.min()))
+                   float(y.min()), rows_per_pass)
 
     def covers(self, b: float, s: float, i: float = 0.0) -> bool:
         return all(lo <= v <= hi for v, lo, hi in zip((b, s, i), self.lo, self.hi))
 
     def predict(self, b: float, s: float, i: float = 0.0) -> float:
         b, s, i = (min(max(v, lo), hi) for v, lo, hi in zip((b, s, i), self.lo, self.hi))
-        return max(sum(c * f for c, f in zip(self.coef, FEATURES[self.phase](b, s, i))), self.floor)
+        return max(sum(c * f for c, f in zip(self.coef, self.features(b, s, i))), self.floor)
 
     def to_dict(self) -> dict:
         return {"phase": self.phase, "coef": list(self.coef), "lo": list(self.lo), "hi": list(self.hi),
-                "floor": self.floor}
+                "floor": self.floor, "rows_per_pass": self.rows_per_pass}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Regression":
-        return cls(d["phase"], tuple(d["coef"]), tuple(d["lo"]), tuple(d["hi"]), d["floor"])
+        return cls(d["phase"], tuple(d["coef"]), tuple(d["lo"]), tuple(d["hi"]), d["floor"], d.get("rows_per_pass", 1))
+
+
+@dataclass(frozen=True)
+class Piecewise:
+    """One Regression per range of rows where the layer's linears change kernel (a decode step
+    runs b rows): piece k covers splits[k-1] < b <= splits[k], the last one every larger b. The
+    int4 linears, for example, run a GEMV up to 16 rows and dequantize for a GEMM above, and no
+    single (b·(s+i), b, i, 1) fit spans both (layers/quant.py: decode_row_splits)."""
+    splits: tuple[int, ...]
+    pieces: tuple[Regression, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.pieces) != len(self.splits) + 1 or list(self.splits) != sorted(set(self.splits)):
+            raise ValueError(f"{len(self.pieces)} pieces for splits {self.splits}")
+
+    @classmethod
+    def fit(cls, phase: str, points: Sequence[tuple[float, float, float, float]],
+            regimes: Sequence[tuple[int, int]] = ((0, 1),)) -> "Piecewise":
+        """regimes: (most rows, rows per pass) of each kernel in turn, the last (0, k) for every
+        larger b (layers/quant.py: decode_regimes). A regime with too few points to fit joins
+        the next one, so a profile without points on both sides of a kernel change still fits."""
+        need = len(FEATURES[phase](1.0, 1.0, 1.0))
+        kept: list[tuple[int, int]] = []
+        lo = 0
+        for most, per_pass in regimes[:-1]:
+            if sum(lo < p[0] <= most for p in points) >= need and sum(p[0] > most for p in points) >= need:
+                kept.append((most, per_pass))
+                lo = most
+        kept.append((math.inf, regimes[-1][1]))
+        bounds = [0, *(most for most, _ in kept)]
+        pieces = tuple(Regression.fit(phase, [p for p in points if a < p[0] <= b], per_pass)
+                       for a, b, (_, per_pass) in zip(bounds, bounds[1:], kept))
+        return cls(tuple(most for most, _ in kept[:-1]), pieces)
+
+    def piece(self, b: float) -> Regression:
+        return self.pieces[sum(b > split for split in self.splits)]
+
+    def covers(self, b: float, s: float, i: float = 0.0) -> bool:
+        return self.piece(b).covers(b, s, i)
+
+    def predict(self, b: float, s: float, i: float = 0.0) -> float:
+        return self.piece(b).predict(b, s, i)
+
+    def to_dict(self) -> dict:
+        return {"splits": list(self.splits), "pieces": [r.to_dict() for r in self.pieces]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Piecewise":
+        """Also reads a single Regression's dict (a profile written before the pieces)."""
+        if "pieces" not in d:
+            return cls((), (Regression.from_dict(d),))
+        return cls(tuple(d["splits"]), tuple(Regression.from_dict(r) for r in d["pieces"]))
 
 
 @dataclass(frozen=True)
 class ProfiledLatency:
     """A device type's latency from `tessera profile pq`: per bit-width, one decoder layer's
-    prefill and decode regressions; stage 0's pre/post-processing when profiled."""
-    fits: dict[int, tuple[Regression, Regression]]
+    prefill regression and decode regressions (one per kernel regime); stage 0's
+    pre/post-processing when profiled."""
+    fits: dict[int, tuple[Regression, Regression | Piecewise]]
     prepost: tuple[Regression, Regression] | None = None
     label: str = "profiled"
 
@@ -230,7 +298,7 @@ class ProfiledLatency:
 
     @classmethod
     def from_profile(cls, data: dict, source: str = "") -> "ProfiledLatency":
-        fits = {int(b): (Regression.from_dict(f["prefill"]), Regression.from_dict(f["decode"]))
+        fits = {int(b): (Regression.from_dict(f["prefill"]), Piecewise.from_dict(f["decode"]))
                 for b, f in data["fits"].items()}
         pp = data.get("prepost")
         prepost = (Regression.from_dict(pp["prefill"]), Regression.from_dict(pp["decode"])) if pp else None

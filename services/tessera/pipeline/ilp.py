@@ -5,8 +5,8 @@ given assignment's stage times and objective in plain Python (plans, baselines, 
 
 Binary z[i,j,b] = layer i on device j at bit b, x[i,j], y[i,b] its marginals:
   each layer one device and one bit; memory Σ z·M[b] <= budget_j per device; layer 0 on device
-  0 and layer L-1 on device N-1; contiguity; T_pre_j >= Σ z·l_pre[j,b] (+ stage 0's pre/post)
-  and >= comm_pre_j, the same for decode; T_pre, T_dec >= every stage's (bottlenecks);
+  0 and layer L-1 on device N-1; contiguity; T_pre_j >= Σ z·l_pre[j,b] (+ the pre/post-processing
+  on its stage) and >= comm_pre_j, the same for decode; T_pre, T_dec >= every stage's (bottlenecks);
   objective  Σ_j T_pre_j + (⌈B/ξ⌉-1) T_pre + Σ_j T_dec_j + (⌈B/ξ_dec⌉-1) T_dec (μ_n-1) + θ Σ ω·y.
 Choices where the paper leaves room, checked by tests/test_pq_planner.py's brute force:
 - the variables are rewritten (see _base): a staircase u for contiguity and per-device bit
@@ -14,8 +14,10 @@ Choices where the paper leaves room, checked by tests/test_pq_planner.py's brute
 - every device holds at least one layer: N devices are N stages, as ⌈B/N⌉ assumes (to plan
   without a device, leave it out of the inventory);
 - omega_cap (optional) bounds Σω: plans compared with a baseline at no worse quality;
-- objective='rounds' replaces the paper's decode term by (μ_n-1) max(Σ_j T_dec_j, ⌈B/ξ_dec⌉ T_dec),
-  the time of μ_n-1 decode rounds (the paper's term ignores decode on a single device).
+- objective='rounds' replaces the paper's decode term by the time of μ_n-1 decode rounds (the
+  paper's term ignores decode on a single device): (μ_n-1) max(Σ_j T_dec_j, ⌈B/ξ_dec⌉ T_dec) where
+  micro-batches flow from one step into the next (LLM-PQ's runtime), (μ_n-1) (Σ_j T_dec_j +
+  (⌈B/ξ_dec⌉-1) T_dec) where every step fills and drains the pipeline (Tessera's runner).
 """
 from __future__ import annotations
 
@@ -47,9 +49,11 @@ class Tables:
     prefill_micro_batches: int              # ⌈B/ξ⌉
     decode_micro_batches: int               # ⌈B/ξ_dec⌉
     mu_n: int
-    pre0: float = 0.0                       # stage 0's pre/post-processing per micro-batch
+    pre0: float = 0.0                       # pre/post-processing (embedding, head) per micro-batch
     dec0: float = 0.0
     omega_cap: float = math.inf             # optional hard bound on Σω (a quality target)
+    prepost_stage: int = 0                  # where pre0/dec0 run: stage 0 in LLM-PQ, the last in Tessera
+    steps_overlap: bool = True              # decode micro-batches flow across steps (else: fill/drain)
 
     def __post_init__(self) -> None:
         n, k = len(self.budgets), len(self.bits)
@@ -59,6 +63,8 @@ class Tables:
             raise ValueError("per-bit tables disagree in length")
         if n > len(self.omega):
             raise Infeasible(f"{n} devices but only {len(self.omega)} layers: every device must hold one")
+        if not 0 <= self.prepost_stage < n:
+            raise ValueError(f"pre/post-processing on stage {self.prepost_stage} of {n}")
 
     @property
     def layers(self) -> int:
@@ -100,19 +106,26 @@ def evaluate(t: Tables, a: Assignment, objective: str = "paper") -> Evaluation:
         pre[j] += t.l_pre[j][k]
         dec[j] += t.l_dec[j][k]
         mem[j] += t.layer_bytes[k]
-    pre[0] += t.pre0
-    dec[0] += t.dec0
+    pre[t.prepost_stage] += t.pre0
+    dec[t.prepost_stage] += t.dec0
     pre = [max(p, c) for p, c in zip(pre, t.comm_pre)]
     dec = [max(d, c) for d, c in zip(dec, t.comm_dec)]
     omega = sum(t.omega[i][k] for i, k in enumerate(ks))
     prefill = sum(pre) + (t.prefill_micro_batches - 1) * max(pre)
-    rounds = (t.mu_n - 1) * max(sum(dec), t.decode_micro_batches * max(dec))
+    rounds = (t.mu_n - 1) * round_time(t, sum(dec), max(dec))
     if objective == "paper":
         decode_term = sum(dec) + (t.decode_micro_batches - 1) * max(dec) * (t.mu_n - 1)
     else:
         decode_term = rounds
     return Evaluation(tuple(pre), tuple(dec), prefill + decode_term + t.theta * omega, prefill, rounds, omega,
                       tuple(mem))
+
+
+def round_time(t: Tables, total: float, top: float) -> float:
+    """One decode round of every micro-batch, from Σ_j T_dec_j and the bottleneck T_dec."""
+    if t.steps_overlap:
+        return max(total, t.decode_micro_batches * top)
+    return total + (t.decode_micro_batches - 1) * top
 
 
 def _var(prob, name: str, low=None, up=None, cat=pulp.LpContinuous):
@@ -172,12 +185,12 @@ def _base(t: Tables, allowed: Sequence[int], name: str):
     return prob, z, x, y, c, u, K
 
 
-def _stage_times(prob, t: Tables, c, K, lat, comm, const0: float, tag: str):
+def _stage_times(prob, t: Tables, c, K, lat, comm, prepost: float, tag: str):
     """T_j >= compute and >= send per stage, T >= every T_j: ([T_j], T)."""
     T = [_var(prob, f"T_{tag}_{j}", 0) for j in range(t.devices)]
     top = _var(prob, f"T_{tag}", 0)
     for j in range(t.devices):
-        prob += pulp.lpSum(c[j, k] * lat[j][k] for k in K) + (const0 if j == 0 else 0) <= T[j]
+        prob += pulp.lpSum(c[j, k] * lat[j][k] for k in K) + (prepost if j == t.prepost_stage else 0) <= T[j]
         prob += T[j] >= comm[j]
         prob += top >= T[j]
     return T, top
@@ -263,8 +276,11 @@ def solve(t: Tables, objective: str = "paper", time_limit_s: float = 60.0, gap: 
         decode = pulp.lpSum(T_dec) + (t.decode_micro_batches - 1) * (t.mu_n - 1) * dec
     else:
         rnd = _var(prob, "T_round", 0)
-        prob += rnd >= pulp.lpSum(T_dec)
-        prob += rnd >= t.decode_micro_batches * dec
+        if t.steps_overlap:
+            prob += rnd >= pulp.lpSum(T_dec)
+            prob += rnd >= t.decode_micro_batches * dec
+        else:
+            prob += rnd >= pulp.lpSum(T_dec) + (t.decode_micro_batches - 1) * dec
         decode = (t.mu_n - 1) * rnd
     prob += _scale(t) * (prefill + decode + quality)
     if warm is not None:
@@ -275,7 +291,7 @@ def solve(t: Tables, objective: str = "paper", time_limit_s: float = 60.0, gap: 
                 v.setInitialValue(value)
             top.setInitialValue(max(times))
         if rnd is not None:
-            rnd.setInitialValue(max(sum(ev.dec), t.decode_micro_batches * max(ev.dec)))
+            rnd.setInitialValue(round_time(t, sum(ev.dec), max(ev.dec)))
     return _run(prob, x, y, c, t, K, time_limit_s, gap, warm is not None)
 
 

@@ -70,7 +70,7 @@ def cost_for(case: Case) -> CostModel:
     memory = MemoryModel(shape, group_size=max(fan_in for _, fan_in, _ in shape.linears()))
     unit = [sum(1 / (2 ** (b - 1) - 1) ** 2 for _ in shape.linears()) for b in BITS]
     latency: dict[str, LatencyModel] = {t: Roofline(load_gpu_specs()[t], memory) for t, _ in case.devices}
-    return CostModel(shape.name, memory, latency, tuple(tuple(unit) for _ in range(shape.layers)), BITS)
+    return CostModel(shape.name, memory, latency, tuple(tuple(unit) for _ in range(shape.layers)), BITS, "llm-pq")
 
 
 def run_case(case: Case, theta: float = 1.0, time_limit_s: float = 20.0, efficient: bool = False,

@@ -76,8 +76,14 @@ class CostModel:
     latency: Mapping[str, LatencyModel]
     omega: tuple[tuple[float, ...], ...]
     bits: tuple[int, ...]
+    # whose runtime the times describe: 'tessera' (pipeline/runner.py: the last stage computes the
+    # head and sends float32 logits back; each decode step fills and drains the pipeline) or
+    # 'llm-pq' (the paper's: embedding and head on stage 0, micro-batches flow across steps)
+    runtime: str = "tessera"
 
     def __post_init__(self) -> None:
+        if self.runtime not in ("tessera", "llm-pq"):
+            raise ValueError(f"runtime must be 'tessera' or 'llm-pq', not {self.runtime!r}")
         if len(self.omega) != self.memory.shape.layers or any(len(r) != len(self.bits) for r in self.omega):
             raise ValueError(f"ω must be [{self.memory.shape.layers} layers][{len(self.bits)} bit-widths]")
         for dtype, lat in self.latency.items():
@@ -105,12 +111,15 @@ def tables_for(cluster: Cluster, cost: CostModel, work: Workload, order: tuple[D
     n, s, mem = len(order), work.prompt_len, cost.memory
     b_dec, i_mid, full = math.ceil(work.batch / n), work.mu_n // 2, work.prompt_len + work.gen_len
     lat = [(cost.latency[d.type], d.slowdown) for d in order]
-    h = mem.shape.hidden
+    h, ours = mem.shape.hidden, cost.runtime == "tessera"
+    pp = lat[-1] if ours else lat[0]    # the stage holding the head
 
-    def comm(nbytes: float) -> tuple[float, ...]:
+    def comm(hidden_bytes: float, logit_bytes: float) -> tuple[float, ...]:
+        """Stage j's send to (j + 1) mod N: hidden states, and from our last stage float32 logits."""
         if n == 1:
             return (0.0,)
-        return tuple(cluster.link(order[j], order[(j + 1) % n]).time(nbytes) for j in range(n))
+        sends = [hidden_bytes] * (n - 1) + [logit_bytes if ours else hidden_bytes]
+        return tuple(cluster.link(order[j], order[(j + 1) % n]).time(sends[j]) for j in range(n))
     ref = sum(max(row) for row in cost.omega) or 1.0
     return Tables(
         bits=cost.bits,
@@ -119,11 +128,12 @@ def tables_for(cluster: Cluster, cost: CostModel, work: Workload, order: tuple[D
                       for j, d in enumerate(order)),
         l_pre=tuple(tuple(m.prefill(b, xi, s) * k for b in cost.bits) for m, k in lat),
         l_dec=tuple(tuple(m.decode(b, b_dec, s, i_mid) * k for b in cost.bits) for m, k in lat),
-        comm_pre=comm(2 * h * s * xi), comm_dec=comm(2 * h * b_dec),
+        comm_pre=comm(2 * h * s * xi, 4 * mem.shape.vocab * xi), comm_dec=comm(2 * h * b_dec, 4 * mem.shape.vocab * b_dec),
         omega=tuple(tuple(w / ref for w in row) for row in cost.omega), theta=work.theta,
         prefill_micro_batches=math.ceil(work.batch / xi), decode_micro_batches=math.ceil(work.batch / b_dec),
         mu_n=work.mu_n, omega_cap=math.inf if work.omega_cap is None else work.omega_cap / ref * (1 + 1e-9),
-        pre0=lat[0][0].prepost_prefill(xi, s) * lat[0][1], dec0=lat[0][0].prepost_decode(b_dec) * lat[0][1])
+        pre0=pp[0].prepost_prefill(xi, s) * pp[1], dec0=pp[0].prepost_decode(b_dec) * pp[1],
+        prepost_stage=n - 1 if ours else 0, steps_overlap=not ours)
 
 
 def even_split(layers: int, n: int) -> tuple[int, ...]:
@@ -234,3 +244,14 @@ def plan_all(cluster: Cluster, cost: CostModel, work: Workload, efficient: bool 
         except Infeasible as e:
             out[m] = str(e)
     return out
+
+
+def predict(plan: Plan, cluster: Cluster, cost: CostModel, work: Workload) -> ilp.Evaluation:
+    """The plan's layers, bits, device order and ξ, as they are, costed for another workload
+    (held-out (B, s, n) points: the runtime keeps ξ, or takes all B prompts in one prefill
+    micro-batch when B < ξ, and cuts B into one decode micro-batch per stage as planned)."""
+    devices = {d.name: d for d in cluster.devices}
+    order = tuple(devices[s.device] for s in plan.stages)
+    device = tuple(j for j, s in enumerate(plan.stages) for _ in range(s.start, s.end))
+    t = tables_for(cluster, cost, work, order, min(plan.xi, work.batch))
+    return evaluate(t, Assignment(device, plan.layer_bits), work.objective)

@@ -1,7 +1,8 @@
 """`tessera profile pq`: the latency profile of one device type (this CPU at --threads) for the
 LLM-PQ planner (papers.md §4.3): one real decoder layer of the model, timed at each bit-width
 for prefill (b sequences of s tokens, no past) and decode (b sequences, one token each after
-s + i tokens of context), fitted with costmodel.Regression; plus stage 0's pre/post-processing
+s + i tokens of context), fitted with costmodel.Regression (decode: one per range of b where
+the linears change kernel, costmodel.Piecewise); plus stage 0's pre/post-processing
 (embedding, final norm, LM head). Held-out (b, s, i) points, never fitted, report the fits'
 error (§4.10 invariant 4). The planner reads the JSON through `profile: FILE` in devices.yaml.
 
@@ -18,9 +19,10 @@ import statistics
 import time
 
 PREFILL = [(b, s) for b in (1, 2, 4, 8, 16) for s in (32, 64, 128)]
-DECODE = [(b, s, i) for b in (1, 4, 16, 32) for s, i in ((32, 0), (32, 96), (128, 0), (128, 96))]
+# b on both sides of every kernel change (layers/quant.py: decode_regimes: 2, 4 and 16 rows here)
+DECODE = [(b, s, i) for b in (1, 2, 3, 4, 6, 8, 12, 16, 20, 32, 48) for s, i in ((32, 0), (32, 96), (128, 0), (128, 96))]
 HELD_PREFILL = [(3, 48), (6, 96), (12, 80)]
-HELD_DECODE = [(2, 64, 32), (8, 96, 48), (24, 48, 64)]
+HELD_DECODE = [(2, 64, 32), (5, 40, 24), (8, 96, 48), (24, 48, 64), (40, 80, 8)]
 PREPOST_PREFILL = [(b, s) for b in (1, 4, 16) for s in (32, 128)]
 PREPOST_DECODE = [1, 4, 16, 32]
 BLOCK = 16
@@ -105,20 +107,24 @@ def measure(model, bits: list[int], reps: int, log=print) -> dict:
     return out
 
 
-def fit_points(points: dict, bits: list[int]) -> dict:
-    """The regressions of every bit-width, the pre/post fits, and the held-out errors."""
-    from tessera.pipeline.costmodel import Regression
+def fit_points(points: dict, bits: list[int], regimes: dict[int, tuple[tuple[int, int], ...]]) -> dict:
+    """The regressions of every bit-width (decode: one per kernel regime, regimes[bits] as
+    layers/quant.py's decode_regimes), the pre/post fits, and the held-out errors."""
+    from tessera.pipeline.costmodel import Piecewise, Regression
 
     def pts(rows, bw=None):
         return [(r["b"], r["s"], r["i"], r["seconds"]) for r in rows if bw is None or r["bits"] == bw]
-    fits = {str(bw): {ph: Regression.fit(ph, pts(points[ph], bw)).to_dict() for ph in ("prefill", "decode")}
+    fits = {str(bw): {"prefill": Regression.fit("prefill", pts(points["prefill"], bw)).to_dict(),
+                      "decode": Piecewise.fit("decode", pts(points["decode"], bw), regimes.get(bw, ((0, 1),))).to_dict()}
             for bw in bits}
+    fitted = {ph: {bw: (Regression if ph == "prefill" else Piecewise).from_dict(fits[str(bw)][ph]) for bw in bits}
+              for ph in ("prefill", "decode")}
     prepost = {ph: Regression.fit(f"prepost_{ph}", pts(points[f"prepost_{ph}"])).to_dict()
                for ph in ("prefill", "decode")}
     held = []
     for ph in ("prefill", "decode"):
         for r in points[f"held_{ph}"]:
-            pred = Regression.from_dict(fits[str(r["bits"])][ph]).predict(r["b"], r["s"], r["i"])
+            pred = fitted[ph][r["bits"]].predict(r["b"], r["s"], r["i"])
             held.append({**r, "phase": ph, "predicted": pred, "error_pct": 100 * (pred - r["seconds"]) / r["seconds"]})
     errors = [abs(h["error_pct"]) for h in held]
     return {"fits": fits, "prepost": prepost, "held_out": held,
@@ -139,7 +145,7 @@ def main(a) -> int:
     import torch
 
     from tessera.engine import resolve_dtype
-    from tessera.layers.quant import quantize_model
+    from tessera.layers.quant import decode_regimes, quantize_model
     from tessera.models.loader import load_model
     bits = [int(b) for b in a.bits.split(",")]
     if not 1 <= len(bits) <= 3 or not set(bits) <= {3, 4, 8, 16}:
@@ -152,7 +158,8 @@ def main(a) -> int:
     points = measure(model, bits, a.reps)
     profile = {"kind": "tessera pq profile", "model": a.model, "dtype": str(dtype).removeprefix("torch."),
                "cpu": cpu_name(), "threads": a.threads, "cores_allowed": len(os.sched_getaffinity(0)),
-               "group_size": a.group_size, "bits": bits, "points": points, **fit_points(points, bits)}
+               "group_size": a.group_size, "bits": bits, "points": points,
+               **fit_points(points, bits, {bw: decode_regimes(bw, dtype) for bw in bits})}
     profile["profile_s"] = round(time.perf_counter() - start, 1)
     pathlib.Path(a.out).write_text(json.dumps(profile, indent=1))
     err = profile["held_out_error_pct"]
