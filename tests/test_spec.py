@@ -143,10 +143,16 @@ def check_cache(d: TreeDrafter, verified: list[int]) -> None:
 
 
 @torch.inference_mode()
-def test_tree_cache_equals_recomputation_after_every_round(llama):
+def test_tree_cache_equals_recomputation_after_every_round(llama, monkeypatch):
     """Rounds that hit (the target emits a path the tree holds, re-rooted without
     recomputation) and rounds that miss (a token the tree lacks): after each, the draft's KV is
-    [verified prefix | live tree] exactly as a from-scratch recomputation gives it."""
+    [verified prefix | live tree] exactly as a from-scratch recomputation gives it. The
+    expansions attend through the paged kernel (each row over its mask's slots, one-slot
+    blocks); the recomputation through SDPA."""
+    from tessera_kernels import paged_attention_cpu
+    kernel, rows = paged_attention_cpu.paged_decode_attention, []
+    monkeypatch.setattr(paged_attention_cpu, "paged_decode_attention",
+                        lambda *args: rows.append(args[0].shape[0]) or kernel(*args))
     model = load_model(llama, torch.float32)[0]
     d = TreeDrafter(model, range(len(model.layers)), 256, width=3)
     seq = list(PROMPTS[0])
@@ -170,6 +176,7 @@ def test_tree_cache_equals_recomputation_after_every_round(llama):
         check_cache(d, seq[:-1])
         assert d.tree.tokens[0] == seq[-1]
     assert 0 < hits < 8
+    assert not paged_attention_cpu.available() or len(rows) >= 8 * 4 * len(model.layers)
 
 
 def test_tree_cache_grows_for_a_long_context_and_stays_exact(llama):

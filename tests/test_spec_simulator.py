@@ -174,7 +174,7 @@ def test_bench_spec_smoke_on_a_tiny_random_model(tmp_path):
         assert r["output_tok_s"] > 0 and r["predicted_tok_s"] > 0 and r["acceptance_length"] >= 1
         assert r["prediction_error"] == pytest.approx(r["predicted_tok_s"] / r["output_tok_s"] - 1, abs=0.01)
     assert {r["draft_location"] for r in rows if r["mode"] == "disaggregated"} == {"thread"}
-    profile = report["profile"]["self:1"]
+    profile = report["profile"]["self:1"]["code"]          # per kind: each profiled at its own prompt
     assert set(profile) == {"serial", "disaggregated"}
     assert {"1", "8"} <= set(map(str, profile["serial"]["t_target_ms"]))
     assert len(report["async_vs_serial_acceptance"]) == 1

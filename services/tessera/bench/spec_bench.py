@@ -9,8 +9,8 @@ AsyncProposer thread in this process, labelled "draft_location": "thread"). Spee
 speeds (TTFT excluded); each row is the median of --repeats runs; every mode's tokens are
 checked against plain greedy ("identical"; a mismatch is printed and the exit status is 1).
 Simulated (spec/simulator.py), and labelled so: predicted_tok_s from a profile measured here
-first plus the row's own measured tokens-per-round distribution and hit rate; the paper's
-ablation projected from the paper's numbers.
+first, at each kind's own prompt, plus the row's own measured tokens-per-round distribution and
+hit rate; the paper's ablation projected from the paper's numbers.
 """
 from __future__ import annotations
 
@@ -247,14 +247,14 @@ def row(mode: str, drafter: str | None, kind: str, run: Run, reference: list[int
             "simulated": "predicted_tok_s", "identical": identical, "output_tokens": len(run.tokens), **extra}
 
 
-def plain_rows(b: Bench, prompts: dict[str, list[int]], profile: SpecProfile) -> tuple[list[dict], dict]:
+def plain_rows(b: Bench, prompts: dict[str, list[int]], by_kind: dict[str, SpecProfile]) -> tuple[list[dict], dict]:
     rows, reference = [], {}
     with placed(*b.both):
         engine = b.engine()
         for kind, prompt in prompts.items():
             run, _, same = repeated(engine, prompt, b.a.repeats, b.a.max_tokens)
             reference[kind] = run.tokens
-            rows.append(row("plain", None, kind, run, None, same, tok_s("plain", profile, b.shape, Rounds()),
+            rows.append(row("plain", None, kind, run, None, same, tok_s("plain", by_kind[kind], b.shape, Rounds()),
                             threads=2))
     return rows, reference
 
@@ -268,12 +268,13 @@ def serial_rows(b: Bench, drafter: str, prompts: dict, reference: dict, profs: d
 
 def disaggregated_rows(b: Bench, drafter: str, prompts: dict, reference: dict, profs: dict,
                        location: str) -> list[dict]:
-    """profs["disaggregated"] gets the measured t_comm (the caller reports it)."""
+    """Every kind's profs[kind]["disaggregated"] gets the measured t_comm (the caller reports it)."""
     if drafter in MODEL_FREE:
         return [{"mode": "disaggregated", "drafter": drafter, "kind": None,
                  "skipped": "a model-free drafter has no draft forward to overlap with verification"}]
     with disaggregated_engine(b, drafter, location) as (engine, where, t_comm, hits):
-        profs["disaggregated"] = _with_comm(profs["disaggregated"], t_comm)
+        for by_mode in profs.values():
+            by_mode["disaggregated"] = _with_comm(by_mode["disaggregated"], t_comm)
         return [_spec_row("disaggregated", b, drafter, kind, engine, prompt, reference, profs, hits,
                           threads=1, draft_location=where) for kind, prompt in prompts.items()]
 
@@ -283,7 +284,7 @@ def drafter_rows(b: Bench, drafter: str, prompts: dict, reference: dict, targets
     """Serial and disaggregated rows of one drafter; one that fails becomes an error row."""
     modes = [m for m in ("serial", "disaggregated") if m in b.a.modes.split(",")]
     try:
-        profs = profiles(b, drafter, next(iter(prompts.values())), targets)
+        profs = {kind: profiles(b, drafter, prompt, targets[kind]) for kind, prompt in prompts.items()}
     except Exception as e:          # a drafter this build cannot make (e.g. an unknown name): say so
         return [_error_row(mode, drafter, e) for mode in modes]
     rows = []
@@ -293,8 +294,9 @@ def drafter_rows(b: Bench, drafter: str, prompts: dict, reference: dict, targets
                 disaggregated_rows(b, drafter, prompts, reference, profs, location)
         except Exception as e:
             rows.append(_error_row(mode, drafter, e))
-    report["profile"][drafter] = {mode: profile_ms(p) for mode, p in profs.items()}
-    report["recommended"][drafter] = recommendations(b, profs)
+    report["profile"][drafter] = {kind: {mode: profile_ms(p) for mode, p in by_mode.items()}
+                                  for kind, by_mode in profs.items()}
+    report["recommended"][drafter] = recommendations(b, next(iter(profs.values())))
     return rows
 
 
@@ -312,7 +314,7 @@ def _spec_row(mode, b: Bench, drafter, kind, engine, prompt, reference, profs, h
     run, rates, same = repeated(engine, prompt, b.a.repeats, b.a.max_tokens, hits)
     hit_rate, topups = rates if rates is not None else (None, None)
     rounds = Rounds.of(run.per_round, hit_rate if hit_rate is not None else 0.0, topups, run.nodes)
-    predicted = tok_s(mode, profs[mode], shape_for(b, drafter), rounds)
+    predicted = tok_s(mode, profs[kind][mode], shape_for(b, drafter), rounds)
     return row(mode, drafter, kind, run, reference.get(kind), same, predicted,
                hit_rate=None if hit_rate is None else round(hit_rate, 3),
                topups_per_round=None if topups is None else round(topups, 3),
@@ -361,10 +363,11 @@ def main(a) -> int:
     b, prompts = setup(a)
     modes = a.modes.split(",")
     location = draft_location(a) if "disaggregated" in modes else "none"
-    first = next(iter(prompts.values()))
-    targets = {name: measure_target(lambda p: b.engine(proposer=p), first, b.shape.bs, a.profile_steps, place)
-               for name, place in (("both", b.both), ("core0", ({b.cores[0]}, 1)))}
-    plain = SpecProfile(t_draft={}, t_target=targets["both"])
+    # every kind profiled at its own prompt: a longer context costs the target and the draft more
+    targets = {kind: {name: measure_target(lambda p: b.engine(proposer=p), prompt, b.shape.bs, a.profile_steps, place)
+                      for name, place in (("both", b.both), ("core0", ({b.cores[0]}, 1)))}
+               for kind, prompt in prompts.items()}
+    plain = {kind: SpecProfile(t_draft={}, t_target=t["both"]) for kind, t in targets.items()}
     rows, reference = plain_rows(b, prompts, plain) if "plain" in modes else ([], {})
     report: dict[str, Any] = {"rows": rows, "profile": {}, "recommended": {}, "measured_on": {
         "model": a.model, "dtype": a.dtype, "cores": list(b.cores), "max_tokens": a.max_tokens,

@@ -4,7 +4,7 @@ The draft's KV cache is one contiguous run of slots per layer, `[verified prefix
 slots [0, P) hold the verified tokens in order, slots P.. the expanded tree nodes in the order
 they were expanded. Expanding w leaves is one forward through the shared layer driver, each
 leaf attending to the prefix and to its own ancestors only (a non-square mask) at position
-P + depth. A verification result re-roots the tree: the verified path moves into the prefix
+P + depth; the paged kernel runs every row over the slots of its mask row (one-slot blocks). A verification result re-roots the tree: the verified path moves into the prefix
 and the surviving subtree is compacted behind it by one gather per layer, with no
 recomputation; tokens the tree did not hold are forwarded on the next expansion.
 A slot's KV depends on its token, ancestors and position, not on where it is stored, so
@@ -139,11 +139,15 @@ class TreeDrafter:
         n = len(tokens)
         slots = torch.arange(start, start + n)
         empty = torch.zeros(0, dtype=torch.long)
+        # every row's slots, for the paged kernel (one-slot blocks): the True columns of its mask
+        # row, ascending (a stable sort puts them first), and how many there are
+        lens = mask.sum(dim=1)
+        slots_of = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)[:, :int(lens.max())].contiguous()
         batch = ForwardBatch(
             input_ids=torch.tensor(tokens), positions=torch.tensor(positions), slot_mapping=slots,
             decode_token_idx=empty, decode_block_tables=empty.view(0, 0), decode_context_lens=empty,
             decode_mask=torch.zeros(0, 0, dtype=torch.bool),
-            prefills=[PrefillChunk(0, n, start, torch.arange(start + n), mask)],
+            prefills=[PrefillChunk(0, n, start, torch.arange(start + n), mask, row_slots=slots_of, row_lens=lens)],
             logits_idx=torch.arange(n), block_size=1)
         x = run_layers(self.model, self.model.embed_tokens(batch.input_ids), batch, self.kv, self.layers)
         return self.model.compute_logits(self.model.norm(x[skip:]))
