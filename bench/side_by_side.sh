@@ -26,7 +26,8 @@ stop() {      # pid: SIGTERM, then wait for the whole group
 bench() {     # name port (the model: the first one the server lists)
   $T bench serve --base-url "http://127.0.0.1:$2" --num-prompts 64 --input-len 128 \
       --output-len 128 --json > "$OUT/$1-64.json" 2> "$OUT/$1-64.err"
-  $T bench serve --base-url "http://127.0.0.1:$2" --num-prompts 8 --concurrency 1 \
+  # other prompts than the 64 above (--seed 1): the same ones again would be prefix-cache hits
+  $T bench serve --base-url "http://127.0.0.1:$2" --num-prompts 8 --concurrency 1 --seed 1 \
       --input-len 128 --output-len 128 --json > "$OUT/$1-c1.json" 2> "$OUT/$1-c1.err"
   echo "$1: $(grep -h -m1 '"output_tok_s"' "$OUT/$1-64.json")"
 }
