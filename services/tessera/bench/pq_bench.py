@@ -19,6 +19,7 @@ a row with its error.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import pathlib
@@ -89,7 +90,7 @@ def run_plan(topo_file: pathlib.Path, workloads: list[tuple[int, int, int]], a: 
     up = subprocess.Popen([*TESSERA, "up", str(topo_file)], stdout=log, stderr=subprocess.STDOUT,
                           start_new_session=True)
     out, req = topo_file.with_suffix(".results.jsonl"), topo_file.with_suffix(".requests.jsonl")
-    runs = iter(range(1 << 30))
+    runs = itertools.count()
 
     def timed(w: tuple[int, int, int]) -> float:
         requests_file(req, w, vocab, model_id, next(runs))
@@ -206,6 +207,8 @@ def main(a: argparse.Namespace) -> int:
     from tessera.pipeline.planner import plan_all
     if not a.devices:
         raise SystemExit("--devices: a devices.yaml of virtual devices with `profile:` (see the README)")
+    if a.reps < 1:
+        raise SystemExit("--reps must be >= 1")
     ws = workloads(a)
     cluster, cost, work, notes = plan_cli.build(a)
     plans = plan_all(cluster, cost, work, efficient=a.efficient)
