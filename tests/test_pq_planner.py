@@ -345,8 +345,9 @@ def test_bench_pq_workloads_and_calibration():
                 "measured_s": predicted_prefill + prefill_over + predicted_decode + (n - 1) * step_over}
     rows = [{"plan": "uniform", "workloads": [run(32, 0.3, 0.5), run(48, 0.2, 0.8)]},
             {"plan": "llm-pq", "workloads": [run(32, 0.2, 0.4), run(16, 0.1, 0.2)]}]
-    assert calibrate(rows, "uniform") == {"plan": "uniform", "overhead_per_prefill_ms": 100.0,
+    assert calibrate(rows, "uniform") == {"plan": "uniform", "prefill_overhead_ms": 100.0, "prefill_scale": 1.0,
                                           "overhead_per_decode_step_ms": 10.0}
-    assert all(w["calibrated_error_pct"] == 0.0 for w in rows[1]["workloads"])
+    assert all(w["calibrated_error_pct"] == w["calibrated_prefill_error_pct"] == w["calibrated_decode_error_pct"] == 0.0
+               for w in rows[1]["workloads"])
     assert "calibrated_error_pct" not in rows[0]["workloads"][0]
     assert calibrate(rows, "pipeedge") is None

@@ -32,6 +32,7 @@ import tempfile
 import time
 
 import httpx
+import numpy as np
 import yaml
 
 TESSERA = [sys.executable, "-m", "tessera.cli"]
@@ -172,28 +173,39 @@ def compare(plan, cluster, cost, work, measured: dict) -> list[dict]:
 
 def calibrate(rows: list[dict], on: str) -> dict | None:
     """The planner sums layer and link times; a served batch also pays the scheduler, sampler,
-    detokenizer, gRPC and HTTP once per step. Fit that as one overhead per prefill and one per
-    decode step on the `on` plan's workloads, then predict the OTHER plans' workloads with it
-    (their errors are the cost model's end-to-end errors once calibrated on this machine)."""
+    detokenizer, gRPC and HTTP, and its stages share the machine's cores with them. Fit that on
+    the `on` plan's workloads, then predict the OTHER plans' workloads with it (their errors are
+    the cost model's end-to-end errors once calibrated on this machine): the prefill as
+    a + c · predicted (least squares: its overhead grows with the prefill's work), and one
+    overhead per decode step."""
     base = next((r for r in rows if r["plan"] == on and r.get("workloads")), None)
     if base is None:
         return None
     ws = base["workloads"]
-    prefill = statistics.mean(w["measured_prefill_s"] - w["predicted_prefill_s"] for w in ws)
+    x = [w["predicted_prefill_s"] for w in ws]
+    y = [w["measured_prefill_s"] for w in ws]
+    if len(set(x)) > 1:
+        scale, fixed = (float(v) for v in np.polyfit(x, y, 1))
+    else:
+        scale, fixed = 1.0, statistics.mean(b - a for a, b in zip(x, y))
     step = statistics.mean((w["measured_decode_s"] - w["predicted_decode_s"]) / max(1, w["gen_len"] - 1) for w in ws)
     for r in rows:
         for w in r.get("workloads", ()):
-            w["calibrated_s"] = round(w["predicted_s"] + prefill + (w["gen_len"] - 1) * step, 4)
+            prefill = fixed + scale * w["predicted_prefill_s"]
+            decode = w["predicted_decode_s"] + (w["gen_len"] - 1) * step
+            w["calibrated_s"] = round(prefill + decode, 4)
             if r["plan"] != on:
                 w["calibrated_error_pct"] = round(100 * (w["calibrated_s"] / w["measured_s"] - 1), 1)
-    return {"plan": on, "overhead_per_prefill_ms": round(1000 * prefill, 2),
+                w["calibrated_prefill_error_pct"] = round(100 * (prefill / w["measured_prefill_s"] - 1), 1)
+                w["calibrated_decode_error_pct"] = round(100 * (decode / w["measured_decode_s"] - 1), 1)
+    return {"plan": on, "prefill_overhead_ms": round(1000 * fixed, 2), "prefill_scale": round(scale, 3),
             "overhead_per_decode_step_ms": round(1000 * step, 2)}
 
 
 def summary(rows: list[dict]) -> dict:
     """Mean and largest |error| over every plan's workloads: raw, and calibrated (other plans)."""
     out = {}
-    for key in ("error_pct", "calibrated_error_pct"):
+    for key in ("error_pct", "calibrated_error_pct", "calibrated_prefill_error_pct", "calibrated_decode_error_pct"):
         errs = [abs(w[key]) for r in rows for w in r.get("workloads", ()) if key in w]
         if errs:
             out[key] = {"mean_abs": round(statistics.mean(errs), 1), "max_abs": max(errs), "points": len(errs)}
