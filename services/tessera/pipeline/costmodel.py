@@ -236,7 +236,7 @@ class Piecewise:
     """One Regression per range of rows where the layer's linears change kernel (a decode step
     runs b rows): piece k covers splits[k-1] < b <= splits[k], the last one every larger b. The
     int4 linears, for example, run a GEMV up to 16 rows and dequantize for a GEMM above, and no
-    single (b·(s+i), b, i, 1) fit spans both (layers/quant.py: decode_row_splits)."""
+    single (b·(s+i), b, i, 1) fit spans both (layers/quant.py: decode_regimes)."""
     splits: tuple[int, ...]
     pieces: tuple[Regression, ...]
 
@@ -250,11 +250,13 @@ class Piecewise:
         """regimes: (most rows, rows per pass) of each kernel in turn, the last (0, k) for every
         larger b (layers/quant.py: decode_regimes). A regime with too few points to fit joins
         the next one, so a profile without points on both sides of a kernel change still fits."""
-        need = len(FEATURES[phase](1.0, 1.0, 1.0))
+        def need(per_pass: int) -> int:
+            return len(_features(phase, per_pass, 1.0, 1.0, 1.0))
         kept: list[tuple[int, int]] = []
         lo = 0
-        for most, per_pass in regimes[:-1]:
-            if sum(lo < p[0] <= most for p in points) >= need and sum(p[0] > most for p in points) >= need:
+        for (most, per_pass), (_, next_pass) in zip(regimes, regimes[1:]):
+            if (sum(lo < p[0] <= most for p in points) >= need(per_pass)
+                    and sum(p[0] > most for p in points) >= need(next_pass)):
                 kept.append((most, per_pass))
                 lo = most
         kept.append((math.inf, regimes[-1][1]))
@@ -286,8 +288,8 @@ class Piecewise:
 @dataclass(frozen=True)
 class ProfiledLatency:
     """A device type's latency from `tessera profile pq`: per bit-width, one decoder layer's
-    prefill regression and decode regressions (one per kernel regime); stage 0's
-    pre/post-processing when profiled."""
+    prefill regression and decode regressions (one per kernel regime); the pre/post-processing
+    (embedding, final norm, head) when profiled."""
     fits: dict[int, tuple[Regression, Regression | Piecewise]]
     prepost: tuple[Regression, Regression] | None = None
     label: str = "profiled"

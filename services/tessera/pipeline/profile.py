@@ -2,8 +2,8 @@
 LLM-PQ planner (papers.md §4.3): one real decoder layer of the model, timed at each bit-width
 for prefill (b sequences of s tokens, no past) and decode (b sequences, one token each after
 s + i tokens of context), fitted with costmodel.Regression (decode: one per range of b where
-the linears change kernel, costmodel.Piecewise); plus stage 0's pre/post-processing
-(embedding, final norm, LM head). Held-out (b, s, i) points, never fitted, report the fits'
+the linears change kernel, costmodel.Piecewise); plus the pre/post-processing (embedding,
+final norm, LM head: stage 0 and the last stage in our runtime). Held-out (b, s, i) points, never fitted, report the fits'
 error (§4.10 invariant 4). The planner reads the JSON through `profile: FILE` in devices.yaml.
 
 Layers 0, 1, 2 are quantized to the first, second, third bit-width (layers share one shape, so
