@@ -90,9 +90,11 @@ def test_piecewise_decode_fit_has_one_regression_per_kernel_regime():
 
 
 def test_decode_regimes_are_where_the_linears_change_kernel(monkeypatch):
-    """The regimes the profile fits by are the row counts at which the forwards switch from the
-    C GEMVs to a GEMM path."""
+    """The regimes the profile fits by are the row counts at which the forwards switch kernel:
+    the C GEMVs, torch's packed int8 kernel, a bf16 GEMM (oneDNN, or F.linear on dequantized
+    weights). The path is the same throughout a regime and changes at each boundary."""
     import torch
+    import torch.nn.functional as F
 
     from tessera.layers.linear import Linear
     from tessera.layers.quant import decode_regimes, quantized_linear
@@ -100,19 +102,26 @@ def test_decode_regimes_are_where_the_linears_change_kernel(monkeypatch):
     if not (gemv_cpu.available() and gemv_quant_cpu.available()):
         pytest.skip("no C compiler: every linear has one kernel")
     calls = []
-    for mod, name in ((gemv_cpu, "gemv_bf16"), (gemv_quant_cpu, "gemv_q8"), (gemv_quant_cpu.Q4Weight, "gemv")):
+    for mod, name in ((gemv_cpu, "gemv_bf16"), (gemv_quant_cpu, "gemv_q8"), (gemv_quant_cpu.Q4Weight, "gemv"),
+                      (F, "linear")):
         real = getattr(mod, name)
-        monkeypatch.setattr(mod, name, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+
+    def path(layer, rows: int) -> tuple[str, ...]:
+        calls.clear()
+        layer(torch.randn(rows, 192, dtype=torch.bfloat16))
+        return tuple(sorted(set(calls)))
     torch.manual_seed(0)
     dense = Linear(192, 64, bias=False).to(torch.bfloat16)
     for bits, layer in ((16, dense), (8, quantized_linear(dense, 8)), (4, quantized_linear(dense, 4)),
                         (3, quantized_linear(dense, 3))):
-        (most, _), last = decode_regimes(bits, torch.bfloat16)
-        assert last == (0, 1)
-        for rows, gemv in ((1, True), (most, True), (most + 1, False), (64, False)):
-            calls.clear()
-            layer(torch.randn(rows, 192, dtype=torch.bfloat16))
-            assert bool(calls) == gemv, (bits, rows)
+        regimes = decode_regimes(bits, torch.bfloat16)
+        assert regimes[-1] == (0, 1) and len(regimes) >= 2
+        lo = 1
+        for most, _ in regimes[:-1]:
+            assert path(layer, lo) == path(layer, most) != path(layer, most + 1), (bits, most)
+            lo = most + 1
+        assert path(layer, regimes[0][0]) in (("gemv_bf16",), ("gemv_q8",), ("gemv",))    # a GEMV first
     assert decode_regimes(16, torch.float32) == ((0, 1),)
 
 
