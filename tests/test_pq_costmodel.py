@@ -91,8 +91,8 @@ def test_piecewise_decode_fit_has_one_regression_per_kernel_regime():
 
 def test_decode_regimes_are_where_the_linears_change_kernel(monkeypatch):
     """The regimes the profile fits by are the row counts at which the forwards switch kernel:
-    the C GEMVs, torch's packed int8 kernel, a bf16 GEMM (oneDNN, or F.linear on dequantized
-    weights). The path is the same throughout a regime and changes at each boundary."""
+    from the C GEMVs to torch's packed int8 kernel or a bf16 GEMM (oneDNN, or F.linear on
+    dequantized weights). The path is the same throughout a regime and changes at each boundary."""
     import torch
     import torch.nn.functional as F
 

@@ -40,8 +40,7 @@ def test_packed_kernel_matches_fake_quant_reference(bits, dtype, shape, bias):
 @pytest.mark.parametrize("rows", [1, 2, 8, 40])
 def test_every_path_of_the_packed_kernels_matches_the_reference(bits, rows):
     """One row, a few (the C GEMVs), 8 (int4: the GEMV; int8: torch's packed kernel) and many
-    (int4: dequantized once, then torch's GEMM; int8: the codes widened to bf16, then torch's
-    GEMM, then the row scales)."""
+    (int4: dequantized once, then torch's GEMM; int8: torch's packed kernel)."""
     for seed in range(2):
         kernel_err, torch_err = _errors(bits, torch.bfloat16, 576, 1536, False, seed, rows)
         assert kernel_err <= 2 * torch_err + 1e-3, (kernel_err, torch_err)

@@ -15,11 +15,7 @@ its reference does the same. On CPU:
   point is memory) and multiplied by torch's GEMM.
   torch's own int4 kernel read its quarter of the bytes slower than our dense bf16 path reads
   all of them (measured: README, "Weight-only quantization").
-- int8 runs our C kernel for one or two rows, torch's aten._weight_int8pack_mm up to
-  INT8_PACKED_MAX_ROWS, and above (prefill) torch's bf16 GEMM on the weight dequantized to
-  bf16 on each call (bit for bit the reference's weight; 1.9x torch's packed kernel at 128
-  rows, measured below). Applying the row scales to the GEMM's bf16 output instead rounds
-  twice: held-out perplexity of an all-int8 SmolLM2 23.10 -> 23.18.
+- int8 runs our C kernel for one or two rows and torch's aten._weight_int8pack_mm otherwise.
 GGUF Q4_0/Q4_1 blocks are the int4 form with G = 32 (`Int4Linear.from_codes`; their fp16
 scales and offsets rounded to bf16), so they are served without a dense copy.
 """
@@ -41,10 +37,6 @@ COMPUTE_DTYPE = torch.bfloat16
 # against 1046; int8 at 2 rows 172 against torch's packed kernel 180, at 4 rows 273 against 243.
 GEMV_MAX_ROWS = 16
 GEMV_MAX_ROWS_INT8 = 2
-# torch's packed int8 kernel against the weight dequantized to bf16 + torch's GEMM, SmolLM2's
-# 120 linears (AMD EPYC Zen 5, 2 threads, ms): 32 rows 25.9 / 27.4, 48 rows 36.2 / 32.5,
-# 128 rows 89.7 / 47.6 (one thread: the same crossover, 2.0x at 128 rows)
-INT8_PACKED_MAX_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -131,10 +123,8 @@ class Int8Linear(_PackedFormat):
         if (x2.shape[0] <= GEMV_MAX_ROWS_INT8 and self.in_features % 16 == 0 and x.device.type == "cpu"
                 and self.codes.device.type == "cpu" and gemv_quant_cpu.available()):
             y = gemv_quant_cpu.gemv_q8(x2, self.codes, self.scale)
-        elif x2.shape[0] <= INT8_PACKED_MAX_ROWS:
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.codes, self.scale)
         else:
-            y = F.linear(x2, self.codes.to(COMPUTE_DTYPE).mul_(self.scale[:, None]))
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.codes, self.scale)
         y = y.to(x.dtype).view(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -192,7 +182,7 @@ def decode_regimes(bits: int, dtype: torch.dtype) -> tuple[tuple[int, int], ...]
     if not gemv_quant_cpu.available():
         return ((0, 1),)
     if bits == 8:
-        return ((GEMV_MAX_ROWS_INT8, gemv_quant_cpu.ROWS_PER_PASS), (INT8_PACKED_MAX_ROWS, 1), (0, 1))
+        return ((GEMV_MAX_ROWS_INT8, gemv_quant_cpu.ROWS_PER_PASS), (0, 1))
     return ((GEMV_MAX_ROWS, gemv_quant_cpu.ROWS_PER_PASS), (0, 1))
 
 

@@ -19,7 +19,7 @@ import statistics
 import time
 
 PREFILL = [(b, s) for b in (1, 2, 4, 8, 16) for s in (32, 64, 128)]
-# b on both sides of every kernel change (layers/quant.py: decode_regimes: 2, 4, 16 and 32 rows here)
+# b on both sides of every kernel change (layers/quant.py: decode_regimes: 2, 4 and 16 rows here)
 DECODE = [(b, s, i) for b in (1, 2, 3, 4, 6, 8, 12, 16, 20, 32, 48, 64)
           for s, i in ((32, 0), (32, 96), (128, 0), (128, 96))]
 HELD_PREFILL = [(3, 48), (6, 96), (12, 80)]
