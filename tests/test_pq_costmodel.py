@@ -116,12 +116,15 @@ def test_decode_regimes_are_where_the_linears_change_kernel(monkeypatch):
     for bits, layer in ((16, dense), (8, quantized_linear(dense, 8)), (4, quantized_linear(dense, 4)),
                         (3, quantized_linear(dense, 3))):
         regimes = decode_regimes(bits, torch.bfloat16)
-        assert regimes[-1] == (0, 1) and len(regimes) >= 2
+        assert regimes[-1][0] == 0 and len(regimes) >= 2
         lo = 1
         for most, _ in regimes[:-1]:
+            if bits in (3, 4) and most == 1:      # one row or several: two paths inside the C GEMV
+                assert path(layer, 1) == path(layer, 2) == ("gemv",)
+                continue
             assert path(layer, lo) == path(layer, most) != path(layer, most + 1), (bits, most)
             lo = most + 1
-        assert path(layer, regimes[0][0]) in (("gemv_bf16",), ("gemv_q8",), ("gemv",))    # a GEMV first
+        assert path(layer, 1) in (("gemv_bf16",), ("gemv_q8",), ("gemv",))    # a GEMV first
     assert decode_regimes(16, torch.float32) == ((0, 1),)
 
 

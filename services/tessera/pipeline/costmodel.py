@@ -261,8 +261,10 @@ class Piecewise:
                 lo = most
         kept.append((math.inf, regimes[-1][1]))
         bounds = [0, *(most for most, _ in kept)]
-        pieces = tuple(Regression.fit(phase, [p for p in points if a < p[0] <= b], per_pass)
-                       for a, b, (_, per_pass) in zip(bounds, bounds[1:], kept))
+        ranges = [[p for p in points if a < p[0] <= b] for a, b in zip(bounds, bounds[1:])]
+        # a range too thin for the passes feature is fitted without it
+        pieces = tuple(Regression.fit(phase, pts, per_pass if len(pts) >= need(per_pass) else 1)
+                       for pts, (_, per_pass) in zip(ranges, kept))
         return cls(tuple(most for most, _ in kept[:-1]), pieces)
 
     def piece(self, b: float) -> Regression:

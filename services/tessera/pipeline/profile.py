@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import random
 import statistics
 import time
 
@@ -90,14 +91,18 @@ def time_prepost(model, b: int, s: int, reps: int) -> float:
 def measure(model, bits: list[int], reps: int, log=print) -> dict:
     """Every profiled and held-out point: {phase: [{bits, b, s, i, seconds}]}."""
     out: dict[str, list[dict]] = {"prefill": [], "decode": [], "held_prefill": [], "held_decode": []}
+    order = random.Random(0)
     for layer, bw in enumerate(bits):
-        for phase, sizes in (("prefill", PREFILL), ("held_prefill", HELD_PREFILL)):
-            for b, s in sizes:
-                t = time_layer(model, layer, b, s, 0, True, reps)
-                out[phase].append({"bits": bw, "b": b, "s": s, "i": 0, "seconds": t})
-        for phase, points in (("decode", DECODE), ("held_decode", HELD_DECODE)):
-            for b, s, i in points:
-                t = time_layer(model, layer, b, s, i, False, 3 * reps)
+        # fitted and held-out points interleaved: a minute of the machine's drift then moves
+        # both alike instead of landing on the held-out points as a model error
+        for fit, held, prefill, runs in (("prefill", "held_prefill", True, reps), ("decode", "held_decode", False, 3 * reps)):
+            points = [(phase, p) for phase, sizes in ((fit, PREFILL if prefill else DECODE),
+                                                      (held, HELD_PREFILL if prefill else HELD_DECODE))
+                      for p in sizes]
+            order.shuffle(points)
+            for phase, (b, s, *rest) in points:
+                i = rest[0] if rest else 0
+                t = time_layer(model, layer, b, s, i, prefill, runs)
                 out[phase].append({"bits": bw, "b": b, "s": s, "i": i, "seconds": t})
         log(f"bits {bw}: {len(PREFILL) + len(HELD_PREFILL)} prefill and {len(DECODE) + len(HELD_DECODE)} "
             f"decode points timed")
