@@ -4,9 +4,10 @@ The draft's KV cache is one contiguous run of slots per layer, `[verified prefix
 slots [0, P) hold the verified tokens in order, slots P.. the expanded tree nodes in the order
 they were expanded. Expanding w leaves is one forward through the shared layer driver, each
 leaf attending to the prefix and to its own ancestors only (a non-square mask) at position
-P + depth; the paged kernel runs every row over the slots of its mask row (one-slot blocks). A verification result re-roots the tree: the verified path moves into the prefix
-and the surviving subtree is compacted behind it by one gather per layer, with no
-recomputation; tokens the tree did not hold are forwarded on the next expansion.
+P + depth; the paged kernel runs every row over the slots of its mask row (one-slot blocks).
+A verification result re-roots the tree: the verified path moves into the prefix and the
+surviving subtree is compacted behind it by one gather per layer, with no recomputation;
+tokens the tree did not hold are forwarded on the next expansion.
 A slot's KV depends on its token, ancestors and position, not on where it is stored, so
 moving it is exact.
 """
