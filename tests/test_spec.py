@@ -152,7 +152,7 @@ def test_tree_cache_equals_recomputation_after_every_round(llama, monkeypatch):
     from tessera_kernels import paged_attention_cpu
     kernel, rows = paged_attention_cpu.paged_decode_attention, []
     monkeypatch.setattr(paged_attention_cpu, "paged_decode_attention",
-                        lambda *args: rows.append(args[0].shape[0]) or kernel(*args))
+                        lambda *args: rows.append((args[0].shape[0], args[-2])) or kernel(*args))
     model = load_model(llama, torch.float32)[0]
     d = TreeDrafter(model, range(len(model.layers)), 256, width=3)
     seq = list(PROMPTS[0])
@@ -176,7 +176,9 @@ def test_tree_cache_equals_recomputation_after_every_round(llama, monkeypatch):
         check_cache(d, seq[:-1])
         assert d.tree.tokens[0] == seq[-1]
     assert 0 < hits < 8
-    assert not paged_attention_cpu.available() or len(rows) >= 8 * 4 * len(model.layers)
+    if paged_attention_cpu.available():      # every layer of every expansion, one-slot blocks
+        assert len(rows) >= 8 * 4 * len(model.layers) and {bs for _, bs in rows} == {1}
+        assert rows[0][0] == len(PROMPTS[0])  # the first: the prompt's pending tokens and the root
 
 
 def test_tree_cache_grows_for_a_long_context_and_stays_exact(llama):

@@ -75,7 +75,7 @@ def run_batch(req: pathlib.Path, out: pathlib.Path, a: argparse.Namespace) -> fl
     bad = [r for r in results if r.get("error") or r["response"]["status_code"] != 200]
     if bad:
         raise RuntimeError(f"{len(bad)} of {len(results)} requests failed: {bad[0]}")
-    match = re.search(r"failed in ([0-9.]+) s", done.stderr)
+    match = re.search(r"tessera run-batch: .* failed in ([0-9.]+) s", done.stderr)
     if match is None:
         raise RuntimeError(f"run-batch did not report its time: {done.stderr[-300:]}")
     return float(match.group(1))
@@ -143,13 +143,16 @@ def workloads(a: argparse.Namespace) -> list[tuple[int, int, int]]:
     """(B, s, n): the planned workload first, then the held-out ones (no larger than it in B or
     in s + n, so the plan's memory budgets and KV cache hold them)."""
     out = [(a.batch, a.prompt_len, a.gen_len)]
+    if a.gen_len < 2:
+        raise SystemExit("--gen-len must be >= 2: the decode steps are timed apart from the prefill")
     for part in filter(None, (a.heldout or "").split(";")):
         try:
             w = tuple(int(v) for v in part.split(","))
         except ValueError:
             w = ()
-        if len(w) != 3 or min(w) < 1 or w[0] > a.batch or w[1] + w[2] > a.prompt_len + a.gen_len:
-            raise SystemExit(f"--heldout {part!r}: B,s,n with B <= {a.batch} and s + n <= {a.prompt_len + a.gen_len}")
+        if len(w) != 3 or min(w) < 1 or w[2] < 2 or w[0] > a.batch or w[1] + w[2] > a.prompt_len + a.gen_len:
+            raise SystemExit(f"--heldout {part!r}: B,s,n with n >= 2 (a decode step to time), B <= {a.batch} and "
+                             f"s + n <= {a.prompt_len + a.gen_len} (pass --heldout '' for none)")
         out.append(w)
     return list(dict.fromkeys(out))
 
@@ -162,7 +165,7 @@ def compare(plan, cluster, cost, work, measured: dict) -> list[dict]:
     from tessera.pipeline.planner import predict
     rows = []
     for k, ((b, s, n), (first, whole)) in enumerate(measured.items()):
-        ev = predict(plan, cluster, cost, replace(work, batch=b, prompt_len=s, gen_len=n))
+        ev = predict(plan, cluster, cost, replace(work, batch=b, prompt_len=s, gen_len=n, gamma=1.0))   # ignore_eos: all n
         rows.append({"batch": b, "prompt_len": s, "gen_len": n, "heldout": k > 0,
                      "measured_prefill_s": round(first, 4), "predicted_prefill_s": round(ev.prefill_s, 4),
                      "measured_decode_s": round(whole - first, 4), "predicted_decode_s": round(ev.decode_s, 4),

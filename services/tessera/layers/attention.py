@@ -14,7 +14,8 @@ attends to the context and its ancestors only) are rows of the kernel too, each 
 list of slots as a table of one-slot blocks. Each row reads the context again (from cache: one
 layer's is a few MB), and still an 8-node verification step of SmolLM2 (Zen 4, bf16, 2 threads)
 took 25.2 ms against 28.4 with SDPA (gather + mask) at 128 tokens of context, 39.7 against
-46.6 at 2,000. Chunks given an explicit mask (the draft model's own expansions) take SDPA.
+46.6 at 2,000. The draft model's expansions (spec/drafter.py) pass their rows' slots the same
+way; a chunk given an explicit mask takes SDPA.
 """
 from __future__ import annotations
 

@@ -180,11 +180,11 @@ def decode_regimes(bits: int, dtype: torch.dtype) -> tuple[tuple[int, int], ...]
     from tessera_kernels import gemv_cpu
     if bits == 16:
         gemv = dtype == torch.bfloat16 and gemv_cpu.available()
-        return ((gemv_cpu.MAX_ROWS, gemv_cpu.MAX_ROWS), (0, 1)) if gemv else ((0, 1),)
+        return ((gemv_cpu.MAX_ROWS, 1), (0, 1)) if gemv else ((0, 1),)        # one pass for all its rows
     if not gemv_quant_cpu.available():
         return ((0, 1),)
     if bits == 8:
-        return ((GEMV_MAX_ROWS_INT8, gemv_quant_cpu.ROWS_PER_PASS), (0, 4))
+        return ((GEMV_MAX_ROWS_INT8, 1), (0, 4))
     return ((1, 1), (GEMV_MAX_ROWS, gemv_quant_cpu.ROWS_PER_PASS), (0, 1))
 
 

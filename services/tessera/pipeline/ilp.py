@@ -87,7 +87,7 @@ class Evaluation:
     dec: tuple[float, ...]
     objective: float             # the paper's objective (or 'rounds'), θ·Σω included
     prefill_s: float             # predicted: Σ pre + (⌈B/ξ⌉-1) max pre
-    decode_s: float              # predicted: (μ_n-1) rounds of max(Σ dec, ⌈B/ξ_dec⌉ max dec)
+    decode_s: float              # predicted: (μ_n-1) rounds (round_time: overlapping or fill/drain)
     omega: float                 # Σω (as in the tables)
     memory: tuple[float, ...]    # per stage: bytes of its layers
 

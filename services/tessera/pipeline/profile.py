@@ -21,10 +21,10 @@ import time
 
 PREFILL = [(b, s) for b in (1, 2, 4, 8, 16) for s in (32, 64, 128)]
 # b on both sides of every kernel change (layers/quant.py: decode_regimes: 2, 4 and 16 rows here)
-DECODE = [(b, s, i) for b in (1, 2, 3, 4, 6, 8, 12, 16, 20, 32, 48, 64)
+DECODE = [(b, s, i) for b in (1, 2, 3, 4, 5, 6, 8, 12, 16, 17, 20, 32, 48, 64)
           for s, i in ((32, 0), (32, 96), (128, 0), (128, 96))]
 HELD_PREFILL = [(3, 48), (6, 96), (12, 80)]
-HELD_DECODE = [(2, 64, 32), (5, 40, 24), (8, 96, 48), (24, 48, 64), (40, 80, 8)]
+HELD_DECODE = [(1, 80, 40), (2, 64, 32), (5, 40, 24), (8, 96, 48), (24, 48, 64), (40, 80, 8)]
 PREPOST_PREFILL = [(b, s) for b in (1, 4, 16) for s in (32, 128)]
 PREPOST_DECODE = [1, 4, 16, 32]
 BLOCK = 16
