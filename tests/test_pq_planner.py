@@ -306,6 +306,9 @@ def test_a_plans_topology_runs_its_stages_as_planned(tmp_path):
         device = next(d for d in cluster.devices if d.name == s.device)
         assert f"--layers {s.start}:{s.end}" in argv and f"--quantization {plan_file}" in argv
         assert f"--threads {device.threads}" in argv and f"--memory-gib {device.memory_gib}" in argv
+    # stage 0 prefills the B prompts of a batch together (they arrive over a few ms)
+    assert f"--max-num-seqs {plan.batch} " in " ".join(procs[0].argv) + " "
+    assert "--max-queue-delay-ms" in procs[0].argv
 
 
 def test_predict_costs_a_plan_at_workloads_it_was_not_made_for():

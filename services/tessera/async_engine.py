@@ -128,12 +128,15 @@ class AsyncEngine:
         built.put(self.engine)
         try:
             while not self._stop:
+                idle = not self.engine.has_unfinished
                 self._drain_inbox()
                 if not self.engine.has_unfinished:
                     self.last_step = time.monotonic()
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
+                if idle:
+                    self._gather_arrivals()
                 try:
                     outputs = self.engine.step()
                 except Exception as e:  # one bad step fails its requests, not the worker
@@ -150,6 +153,21 @@ class AsyncEngine:
             for rid in list(self._streams):
                 self._deliver(rid, Unavailable(f"engine loop failed: {e!r}"))
             raise
+
+    def _gather_arrivals(self) -> None:
+        """Work arrived at an idle engine: wait up to max_queue_delay_ms for more requests to
+        join its first step, or until a full batch (max_num_seqs) is waiting. Without it, a
+        batch sent at once is prefilled in pieces: the first request to arrive runs alone and
+        the rest wait for it (a pipeline then fills and drains twice)."""
+        limits = self.engine.config.scheduler
+        deadline = time.monotonic() + limits.max_queue_delay_ms / 1000
+        while len(self.engine.scheduler.waiting) < limits.max_num_seqs and not self._stop:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self._wake.wait(timeout=remaining)
+            self._wake.clear()
+            self._drain_inbox()
 
     def _drain_inbox(self) -> None:
         while True:

@@ -111,12 +111,18 @@ class SchedulerConfig:
     max_num_seqs: int = field(default=64, metadata={"help": "requests running at once"})
     max_waiting: int = field(default=1024, metadata={
         "help": "queued requests before the worker answers Saturated (HTTP 503)"})
+    max_queue_delay_ms: float = field(default=0.0, metadata={
+        "help": "an idle engine's first step waits up to this long for more requests to join it, "
+                "or until max_num_seqs are waiting (Triton's dynamic batching max_queue_delay): an "
+                "offline batch sent at once is prefilled together, not split by arrival; 0: step at once"})
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
             raise ConfigError("max_num_batched_tokens and max_num_seqs must be > 0")
         if self.max_waiting < 0:
             raise ConfigError("max_waiting must be >= 0")
+        if not 0 <= self.max_queue_delay_ms <= 10_000:
+            raise ConfigError("max_queue_delay_ms must be in [0, 10000]")
 
 
 DRAFT_QUANTIZATIONS = {"": 16, "int8": 8, "int4": 4}   # --speculative D@Q: Q -> weight bits

@@ -15,7 +15,7 @@ Kubernetes files (deploy/compose/, deploy/k8s/).
 A worker role may say which engine it runs: `engine: vllm` (default native) is `tessera worker
 --engine vllm`, vLLM's engine from .venv-vllm (`make setup-vllm`); in rendered files, an image
 built with vLLM. A worker, target_worker or attention_node role may set its engine's limits: max_num_seqs (the
-batch B), max_num_batched_tokens, num_kv_blocks or kv_cache_gib. Speculative decoding
+batch B), max_num_batched_tokens, num_kv_blocks, kv_cache_gib or max_queue_delay_ms. Speculative decoding
 (SwiftSpec) pairs draft_worker replica i with target_worker replica i (equal replicas): the
 draft_worker role names the drafter (`speculative: self:8`) and may set the tree (tree_size,
 width, depth), which its target verifies; the target_worker may set disable_batch_size. A
@@ -47,7 +47,7 @@ ENGINE_ROLES = ("worker", "target_worker", "attention_node", "pipeline_shard")  
 # Engine limits of the roles that run an engine, passed as the flags of the same name: a plan
 # (`tessera plan afd`) sets the batch B (max_num_seqs), a step's token budget and a KV cache
 # that holds B requests.
-ENGINE_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_gib")
+ENGINE_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_gib", "max_queue_delay_ms")
 # The drafter and its tree (draft_worker role), as the flags of SpeculativeConfig.
 SPEC_OPTIONS = {"speculative": "--speculative", "tree_size": "--spec-tree-size", "width": "--spec-width",
                 "depth": "--spec-depth"}

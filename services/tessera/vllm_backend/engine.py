@@ -58,7 +58,8 @@ def _check_supported(config: EngineConfig) -> None:
     refused = [(config.quantization, "--quantization (vLLM serves the dense weights)"),
                (config.speculative.draft, "--speculative"),
                (config.cache.num_blocks, "--num-kv-blocks (size vLLM's cache with --kv-cache-gib)"),
-               (config.cache.block_size != 16, "--block-size (vLLM picks its own)")]
+               (config.cache.block_size != 16, "--block-size (vLLM picks its own)"),
+               (config.scheduler.max_queue_delay_ms, "--max-queue-delay-ms")]
     named = [flag for value, flag in refused if value]
     if named:
         raise ConfigError(f"the vLLM engine does not take {', '.join(named)}; they are the native engine's")
