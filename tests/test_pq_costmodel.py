@@ -215,6 +215,11 @@ def test_profile_pq_fits_a_real_layer(tiny_models, tmp_path, monkeypatch):
     assert all(p["seconds"] > 0 for p in data["points"]["decode"])
     lat = ProfiledLatency.from_profile(data)
     assert lat.bits == (8, 16) and lat.decode(8, 2, 12, 4) > 0 and lat.outside(32, 16, 4, 4) == ["prefill (b=32, s=16)"]
+    # bf16 whatever --dtype auto picks here: the dtype pipelines serve; a float32 profile would
+    # cost another runtime, and planning refuses it
+    assert data["dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match="float32"):
+        ProfiledLatency.from_profile({**data, "dtype": "float32"})
 
 
 def test_plan_pq_cli_writes_a_valid_plan(tmp_path, capsys):

@@ -262,6 +262,12 @@ def test_tables_put_embeddings_first_head_last_and_kv_for_the_whole_batch():
     # the runtime's last stage holds an LM head (pipeline/shard.py), the first the embeddings
     assert mem.extras_bytes(2, 4, False, True) >= 2 * SHAPE.vocab * SHAPE.hidden
     assert t.decode_micro_batches == 2 and t.prefill_micro_batches == 4 and t.mu_n == 16
+    # LLM-PQ's runtime keeps the head with the embeddings on the first stage: the last stage
+    # holds only its layers and temporaries, the first no second copy of a tied head
+    paper = tables_for(cluster, replace(cost, runtime="llm-pq"), work, order, 2)
+    first, last = order[0].budget_bytes() - paper.budgets[0], order[1].budget_bytes() - paper.budgets[1]
+    assert first - last == pytest.approx(mem.extras_bytes(2, 4, True, True) - mem.extras_bytes(2, 4, False, False))
+    assert mem.extras_bytes(2, 4, True, True) < mem.extras_bytes(2, 4, True, False) + mem.extras_bytes(2, 4, False, True)
 
 
 def test_heuristic_is_close_to_the_ilp_optimum():

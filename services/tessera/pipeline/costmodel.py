@@ -30,6 +30,10 @@ class GpuSpec:
 
 
 DENSE_BYTES = 2          # 16-bit weights, activations and KV (fp16 / bf16)
+# The dtype `tessera profile-pq` measures in and pipeline topologies serve (plan_topology), as
+# DENSE_BYTES counts: bfloat16 on every machine, not what --dtype auto picks (float32 on
+# AVX2-only CPUs), so a profile costs the runtime that will run the plan.
+PROFILE_DTYPE = "bfloat16"
 
 
 @dataclass(frozen=True)
@@ -135,16 +139,17 @@ class MemoryModel:
         decode = decode_batch * per_token + decode_batch * sh.heads * context
         return DENSE_BYTES * max(prefill, decode) + 2 * 4 * sh.rope_positions * sh.head_dim
 
-    def extras_bytes(self, xi: int, decode_batch: int, first: bool = True, last: bool = True) -> float:
-        """Pre/post-processing, where the runtime keeps it (pipeline/shard.py): the first stage
-        holds the embeddings, the last the final norm, an LM head (its own copy even when tied
-        to the embedding, unless it is also the first stage) and the float32 logits of the last
-        token of each sequence of a micro-batch."""
+    def extras_bytes(self, xi: int, decode_batch: int, first: bool = True, head: bool = True) -> float:
+        """Pre/post-processing, where the runtime keeps it: the first stage holds the
+        embeddings; the head's stage (our runtime's last, pipeline/shard.py; LLM-PQ's first)
+        the final norm, an LM head (its own copy even when tied to the embedding, unless it is
+        also the first stage) and the float32 logits of the last token of each sequence of a
+        micro-batch."""
         sh = self.shape
         embed = (sh.vocab + sh.positions) * sh.hidden if first else 0
-        head = (0 if (first and sh.tied) else sh.vocab * sh.hidden) + sh.hidden if last else 0
-        logits = 4 * max(xi, decode_batch) * sh.vocab if last else 0
-        return DENSE_BYTES * (embed + head) + logits
+        head_bytes = (0 if (first and sh.tied) else sh.vocab * sh.hidden) + sh.hidden if head else 0
+        logits = 4 * max(xi, decode_batch) * sh.vocab if head else 0
+        return DENSE_BYTES * (embed + head_bytes) + logits
 
 
 # ----------------------------------------------------------------------------------------------
@@ -302,6 +307,9 @@ class ProfiledLatency:
 
     @classmethod
     def from_profile(cls, data: dict, source: str = "") -> "ProfiledLatency":
+        if data.get("dtype", PROFILE_DTYPE) != PROFILE_DTYPE:
+            raise ValueError(f"profile {source or ''} was taken in {data['dtype']}: pipelines serve and the cost "
+                             f"model counts {PROFILE_DTYPE}; profile again (`tessera profile-pq`)")
         fits = {int(b): (Regression.from_dict(f["prefill"]), Piecewise.from_dict(f["decode"]))
                 for b, f in data["fits"].items()}
         pp = data.get("prepost")

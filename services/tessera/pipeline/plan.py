@@ -79,17 +79,18 @@ class Plan:
         return d
 
 
-def stage_fixed_bytes(memory: MemoryModel, first: bool, last: bool, xi: int, prompt_len: int, decode_batch: int,
+def stage_fixed_bytes(memory: MemoryModel, first: bool, head: bool, xi: int, prompt_len: int, decode_batch: int,
                       full_len: int) -> float:
     """Bytes a stage holds besides its layers: temporaries, the first stage's embeddings, the
-    last stage's head and logits."""
+    head and logits where the runtime keeps them (CostModel.head_stage)."""
     fixed = memory.temp_bytes(xi, prompt_len, decode_batch, full_len)
-    return fixed + memory.extras_bytes(xi, decode_batch, first, last)
+    return fixed + memory.extras_bytes(xi, decode_batch, first, head)
 
 
 def validate(plan: Plan, layers: int, memory: MemoryModel, devices: Mapping[str, Device],
-             allowed_bits: Sequence[int]) -> None:
-    """Raise PlanError unless the plan satisfies invariant 1 (memory recomputed here)."""
+             allowed_bits: Sequence[int], head_stage: int | None = None) -> None:
+    """Raise PlanError unless the plan satisfies invariant 1 (memory recomputed here); the head
+    is on stage head_stage (default: the last, as our runtime keeps it)."""
     if not plan.stages:
         raise PlanError("the plan has no stages")
     if plan.stages[0].start != 0:
@@ -103,6 +104,7 @@ def validate(plan: Plan, layers: int, memory: MemoryModel, devices: Mapping[str,
         if s.start != prev.end:
             raise PlanError(f"stages not contiguous: {prev.device} ends at {prev.end}, {s.device} starts at {s.start}")
     full = plan.prompt_len + plan.gen_len
+    head = len(plan.stages) - 1 if head_stage is None else head_stage
     for j, s in enumerate(plan.stages):
         if s.end <= s.start or len(s.bits) != s.end - s.start:
             raise PlanError(f"stage {s.device}: layers [{s.start}, {s.end}) with {len(s.bits)} bit-widths")
@@ -112,7 +114,7 @@ def validate(plan: Plan, layers: int, memory: MemoryModel, devices: Mapping[str,
         if s.device not in devices:
             raise PlanError(f"stage {s.device}: no such device")
         need = sum(memory.layer_bytes(b, plan.batch, full) for b in s.bits)
-        need += stage_fixed_bytes(memory, j == 0, j == len(plan.stages) - 1, plan.xi, plan.prompt_len, plan.decode_micro_batch, full)
+        need += stage_fixed_bytes(memory, j == 0, j == head, plan.xi, plan.prompt_len, plan.decode_micro_batch, full)
         budget = devices[s.device].budget_bytes()
         if need > budget * (1 + 1e-9):
             raise PlanError(f"stage {s.device}: needs {need / 2**20:.1f} MiB (weights, full-length KV for "

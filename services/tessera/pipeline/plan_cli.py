@@ -73,7 +73,10 @@ def latency_models(cluster: Cluster, memory: MemoryModel) -> dict[str, LatencyMo
             if d.profile:
                 data = json.loads(pathlib.Path(d.profile).read_text())
                 where = f"{data.get('cpu', '?')}, {data.get('threads')} thread(s)"
-                out[d.type] = ProfiledLatency.from_profile(data, where)
+                try:
+                    out[d.type] = ProfiledLatency.from_profile(data, where)
+                except ValueError as e:
+                    raise SystemExit(f"{d.profile}: {e}") from None
             else:
                 out[d.type] = Roofline(load_gpu_specs()[str(d.gpu)], memory)
     return out
@@ -173,7 +176,7 @@ def main(a) -> int:
     for name, p in list(plans.items()):
         if isinstance(p, Plan):
             try:
-                validate(p, cost.memory.shape.layers, cost.memory, devices, cost.bits)
+                validate(p, cost.memory.shape.layers, cost.memory, devices, cost.bits, cost.head_stage(len(p.stages)))
             except PlanError as e:
                 plans[name] = f"INVALID: {e}"
     print_plans(plans, notes)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pathlib
 
+from tessera.pipeline.costmodel import PROFILE_DTYPE
 from tessera.pipeline.devices import Device
 from tessera.pipeline.plan import Plan
 
@@ -18,12 +19,12 @@ QUEUE_DELAY_MS = 10.0
 
 
 def plan_topology(plan: Plan, devices: dict[str, Device], plan_file: str | pathlib.Path, model: str,
-                  port: int = 8000, name: str | None = None, dtype: str = "bfloat16") -> dict:
+                  port: int = 8000, name: str | None = None) -> dict:
     blocks = plan.batch * (-(-(plan.prompt_len + plan.gen_len + 1) // BLOCK) + 1)
     stages = [{"layers": f"{s.start}:{s.end}", "threads": devices[s.device].threads or 1,
                "memory_gib": devices[s.device].memory_gib} for s in plan.stages]
     slug = "".join(c if c.isalnum() else "-" for c in plan.method).strip("-")
-    return {"name": name or f"pq-{slug}", "model": model, "dtype": dtype, "transport": "tcp",
+    return {"name": name or f"pq-{slug}", "model": model, "dtype": PROFILE_DTYPE, "transport": "tcp",
             "roles": {"redis": {"port": port + 50},
                       "pipeline_shard": {"port": port + 1, "plan": str(plan_file), "stages": stages,
                                          "num_kv_blocks": blocks, "max_num_seqs": plan.batch,

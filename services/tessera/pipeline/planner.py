@@ -81,6 +81,11 @@ class CostModel:
     # 'llm-pq' (the paper's: embedding and head on stage 0, micro-batches flow across steps)
     runtime: str = "tessera"
 
+    def head_stage(self, stages: int) -> int:
+        """The stage holding the final norm and LM head (its time and memory): our runtime's
+        last, LLM-PQ's first (with the embeddings: its pre/post-processing)."""
+        return stages - 1 if self.runtime == "tessera" else 0
+
     def __post_init__(self) -> None:
         if self.runtime not in ("tessera", "llm-pq"):
             raise ValueError(f"runtime must be 'tessera' or 'llm-pq', not {self.runtime!r}")
@@ -111,8 +116,8 @@ def tables_for(cluster: Cluster, cost: CostModel, work: Workload, order: tuple[D
     n, s, mem = len(order), work.prompt_len, cost.memory
     b_dec, i_mid, full = math.ceil(work.batch / n), work.mu_n // 2, work.prompt_len + work.gen_len
     lat = [(cost.latency[d.type], d.slowdown) for d in order]
-    h, ours = mem.shape.hidden, cost.runtime == "tessera"
-    pp = lat[-1] if ours else lat[0]    # the stage holding the head
+    h, ours, head = mem.shape.hidden, cost.runtime == "tessera", cost.head_stage(n)
+    pp = lat[head]
 
     def comm(hidden_bytes: float, logit_bytes: float) -> tuple[float, ...]:
         """Stage j's send to (j + 1) mod N: hidden states, and from our last stage float32 logits."""
@@ -124,7 +129,7 @@ def tables_for(cluster: Cluster, cost: CostModel, work: Workload, order: tuple[D
     return Tables(
         bits=cost.bits,
         layer_bytes=tuple(mem.layer_bytes(b, work.batch, full) for b in cost.bits),
-        budgets=tuple(d.budget_bytes() - stage_fixed_bytes(mem, j == 0, j == n - 1, xi, s, b_dec, full)
+        budgets=tuple(d.budget_bytes() - stage_fixed_bytes(mem, j == 0, j == head, xi, s, b_dec, full)
                       for j, d in enumerate(order)),
         l_pre=tuple(tuple(m.prefill(b, xi, s) * k for b in cost.bits) for m, k in lat),
         l_dec=tuple(tuple(m.decode(b, b_dec, s, i_mid) * k for b in cost.bits) for m, k in lat),
@@ -133,7 +138,7 @@ def tables_for(cluster: Cluster, cost: CostModel, work: Workload, order: tuple[D
         prefill_micro_batches=math.ceil(work.batch / xi), decode_micro_batches=math.ceil(work.batch / b_dec),
         mu_n=work.mu_n, omega_cap=math.inf if work.omega_cap is None else work.omega_cap / ref * (1 + 1e-9),
         pre0=pp[0].prepost_prefill(xi, s) * pp[1], dec0=pp[0].prepost_decode(b_dec) * pp[1],
-        prepost_stage=n - 1 if ours else 0, steps_overlap=not ours)
+        prepost_stage=head, steps_overlap=not ours)
 
 
 def even_split(layers: int, n: int) -> tuple[int, ...]:
@@ -225,7 +230,7 @@ def make_plan(method: str, cost: CostModel, work: Workload, order: tuple[Device,
     for j, d in enumerate(order):
         layers = [i for i, dj in enumerate(a.device) if dj == j]
         bits = tuple(a.bits[i] for i in layers)
-        fixed = stage_fixed_bytes(mem, j == 0, j == len(order) - 1, xi, work.prompt_len, b_dec, full)
+        fixed = stage_fixed_bytes(mem, j == 0, j == cost.head_stage(len(order)), xi, work.prompt_len, b_dec, full)
         stages.append(Stage(d.name, d.type, layers[0], layers[-1] + 1, bits, ev.pre[j], ev.dec[j],
                             ev.memory[j] + fixed, d.budget_bytes()))
     omega = sum(cost.omega[i][cost.bits.index(b)] for i, b in enumerate(a.bits))

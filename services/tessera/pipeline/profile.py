@@ -150,7 +150,6 @@ def cpu_name() -> str:
 def main(a) -> int:
     import torch
 
-    from tessera.engine import resolve_dtype
     from tessera.layers.quant import decode_regimes, quantize_model
     from tessera.models.loader import load_model
     bits = [int(b) for b in a.bits.split(",")]
@@ -158,7 +157,8 @@ def main(a) -> int:
         raise SystemExit("--bits: one to three of 3, 4, 8, 16")
     torch.set_num_threads(a.threads)
     start = time.perf_counter()
-    dtype = resolve_dtype("auto")
+    from tessera.pipeline.costmodel import PROFILE_DTYPE
+    dtype = getattr(torch, PROFILE_DTYPE)   # not --dtype auto's pick: see PROFILE_DTYPE
     model, cfg = load_model(a.model, dtype)
     quantize_model(model, bits + [16] * (cfg.num_layers - len(bits)), group_size=a.group_size)
     points = measure(model, bits, a.reps)
