@@ -28,9 +28,11 @@ def is_quantized_checkpoint(path: pathlib.Path) -> bool:
     return (path / MANIFEST).is_file()
 
 
-def save(net: torch.nn.Module, out: pathlib.Path, bits, group_size: int, source: str) -> dict:
+def save(net: torch.nn.Module, out: pathlib.Path, bits, group_size: int, source: str,
+         codes: dict[str, QuantCodes] | None = None, method: str = "rtn") -> dict:
     """Quantize a loaded (float32) model to per-layer `bits` and write it to `out` (the
-    caller adds the tokenizer: entrypoints/quantize.py)."""
+    caller adds the tokenizer: entrypoints/quantize.py). codes: precomputed codes by
+    "layers.L.NAME" (GPTQ's, pipeline/gptq_pass.py); every other linear is rounded to nearest."""
     from safetensors.torch import save_file
     cfg = net.config
     bits = per_layer_bits(bits, cfg.num_layers)
@@ -38,8 +40,8 @@ def save(net: torch.nn.Module, out: pathlib.Path, bits, group_size: int, source:
     quantized = set()
     for l, (layer, b) in enumerate(zip(net.layers, bits)):
         for name, linear in layer_linears(layer) if b != 16 else []:
-            q = quantize_rtn(linear.weight, b, group_size)
             key = f"layers.{l}.{name}"
+            q = (codes or {}).get(key) or quantize_rtn(linear.weight, b, group_size)
             tensors[key + ".codes"] = q.codes if b == 8 else _pack_nibbles(q.codes)
             tensors[key + ".scale"], tensors[key + ".offset"] = q.scale, q.offset
             quantized.add(key + ".weight")
@@ -48,7 +50,8 @@ def save(net: torch.nn.Module, out: pathlib.Path, bits, group_size: int, source:
             tensors[name] = p.contiguous()
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"))
-    manifest = {"model_config": dataclasses.asdict(cfg), "bits": bits, "group_size": group_size, "source": source}
+    manifest = {"model_config": dataclasses.asdict(cfg), "bits": bits, "group_size": group_size, "source": source,
+                "method": method}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest
 
