@@ -108,6 +108,22 @@ def test_pipeline_greedy_equals_single_process(tokenizer, plan_file, dtype, quan
             close(shards)
 
 
+def test_a_pipeline_serves_a_quantized_checkpoint_at_its_own_bits(tokenizer, tmp_path):
+    """A `tessera quantize` directory (e.g. GPTQ's codes) split into stages: each stage loads
+    its layers' codes, reports the checkpoint's bits, and the tokens are the single process's."""
+    from tessera.models import quantized_checkpoint
+    from tessera.models.loader import load_model
+    quantized_checkpoint.save(load_model(MODEL, torch.float32)[0], tmp_path / "q", MIXED, 32, MODEL)
+    config = EngineConfig(model=str(tmp_path / "q"), dtype="float32", cache=CACHE)
+    expected = Engine(config, tokenizer=tokenizer).generate(PROMPTS, GREEDY)
+    engine, shards = pipeline(config, SPLITS[2], tokenizer, micro_batches=1, prefill=WHOLE_STEP)
+    try:
+        assert engine.generate(PROMPTS, GREEDY) == expected
+        assert shards[0].info().bits == tuple(MIXED[2:6])
+    finally:
+        close(shards)
+
+
 @pytest.mark.parametrize("kind,dtype,m,prefill", [("local", "float32", None, 1), ("local", "bfloat16", 2, 2),
                                                    ("tcp", "bfloat16", None, 1)])
 def test_micro_batched_stages_equal_the_same_micro_batches_in_one_process(tokenizer, plan_file, kind, dtype, m,

@@ -56,6 +56,11 @@ def save(net: torch.nn.Module, out: pathlib.Path, bits, group_size: int, source:
     return manifest
 
 
+def manifest_bits(path: pathlib.Path) -> list[int]:
+    """The checkpoint's bit-width per layer (16: dense)."""
+    return [int(b) for b in json.loads((path / MANIFEST).read_text())["bits"]]
+
+
 def read_config(path: pathlib.Path) -> ModelConfig:
     raw = json.loads((path / MANIFEST).read_text())["model_config"]
     return ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})

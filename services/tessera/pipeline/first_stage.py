@@ -125,7 +125,7 @@ def build_first_stage(config: EngineConfig, stage: StageConfig, controls: list[S
         transport = make_transport(backend, stage.endpoint, slots=SLOTS, capacity_bytes=max(SLOT_BYTES, logits),
                                    timeout_s=stage.timeout_s, advertise=stage.transport_advertise)
     template = StageLink(transport.name if transport is not None else stage.endpoint, backend, model_id_for(config.model), cfg.num_layers, 0, 1,
-                         (layers.start, layers.stop), tuple(stage_bits(config.quantization, cfg.num_layers)),
+                         (layers.start, layers.stop), tuple(stage_bits(config.quantization, cfg.num_layers, config.model)),
                          str(dtype).removeprefix("torch."), num_blocks, block_size, "", "")
     ring = Ring(transport, controls, template)
     if controls:

@@ -230,6 +230,6 @@ def load_shard(config: EngineConfig, stage: StageConfig, transport: Transport | 
     if transport is None:
         transport = make_transport(backend, stage.endpoint, slots=SLOTS, capacity_bytes=SLOT_BYTES,
                                    advertise=stage.transport_advertise)
-    bits = tuple(stage_bits(config.quantization, cfg.num_layers)[layers.start:layers.stop])
+    bits = tuple(stage_bits(config.quantization, cfg.num_layers, config.model)[layers.start:layers.stop])
     return PipelineShard(model, dtype, stage.stage, layers, bits, transport, backend, model_id_for(config.model), num_blocks,
                          block_size, weights, int((stage.memory_gib or 0) * GIB))

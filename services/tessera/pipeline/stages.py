@@ -111,8 +111,15 @@ def check_quantization(quantization: str | None) -> None:
                           "plan file", "quantization")
 
 
-def stage_bits(quantization: str | None, num_layers: int) -> list[int]:
-    """The bit-width of every layer of the model under --quantization (16: dense)."""
+def stage_bits(quantization: str | None, num_layers: int, model: str | None = None) -> list[int]:
+    """The bit-width of every layer of the model under --quantization (16: dense); a quantized
+    checkpoint (`tessera quantize`, e.g. GPTQ's codes) says its own, as it is loaded with none."""
     from tessera.layers.quant import parse_quantization
     check_quantization(quantization)
+    if model is not None and not quantization:
+        from tessera.models import quantized_checkpoint
+        from tessera.models.loader import resolve_model_path
+        path = resolve_model_path(model)
+        if quantized_checkpoint.is_quantized_checkpoint(path):
+            return quantized_checkpoint.manifest_bits(path)
     return parse_quantization(quantization, num_layers) or [16] * num_layers
