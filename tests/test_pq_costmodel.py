@@ -168,12 +168,12 @@ def test_gpu_specs_are_complete():
 
 
 def test_roofline_runs_the_kernels_llm_pq_ran():
-    """costmodel.KERNELS: 8-bit is LLM.int8() without igemmlt (an int8 -> FP16 cast, then the
+    """roofline.KERNELS: 8-bit is LLM.int8() without igemmlt (an int8 -> FP16 cast, then the
     FP16 GEMM), so it is slower than FP16; GPTQ 3/4-bit is an FP32 matrix-vector kernel run once
     per token, at the datasheet's fp32_tflops read from gpu_specs.yaml."""
     from dataclasses import replace
 
-    from tessera.pipeline.costmodel import Roofline
+    from tessera.pipeline.roofline import Roofline
     spec = load_gpu_specs()["V100-32G"]
     assert spec.fp32_tflops == 15.7 and spec.fp16_tflops == 125
     mem = MemoryModel(SHAPES["opt-30b"], group_size=128)
@@ -199,8 +199,12 @@ def test_profile_pq_fits_a_real_layer(tiny_models, tmp_path, monkeypatch):
     points; the fitted profile then drives a plan."""
     from types import SimpleNamespace
 
+    import torch
+
+    from tessera import engine
     from tessera.pipeline import profile
     from tessera.pipeline.costmodel import ProfiledLatency
+    monkeypatch.setattr(engine, "resolve_dtype", lambda *a: torch.float32)   # an AVX2 machine's auto
     monkeypatch.setattr(profile, "PREFILL", [(b, s) for b in (1, 2, 4) for s in (8, 16)])
     monkeypatch.setattr(profile, "DECODE", [(b, s, i) for b in (1, 4) for s, i in ((8, 0), (16, 8))])
     monkeypatch.setattr(profile, "HELD_PREFILL", [(3, 12)])
@@ -215,11 +219,15 @@ def test_profile_pq_fits_a_real_layer(tiny_models, tmp_path, monkeypatch):
     assert all(p["seconds"] > 0 for p in data["points"]["decode"])
     lat = ProfiledLatency.from_profile(data)
     assert lat.bits == (8, 16) and lat.decode(8, 2, 12, 4) > 0 and lat.outside(32, 16, 4, 4) == ["prefill (b=32, s=16)"]
-    # bf16 whatever --dtype auto picks here: the dtype pipelines serve; a float32 profile would
-    # cost another runtime, and planning refuses it
+    # bf16 whatever --dtype auto picks: the dtype pipelines serve; a float32 profile would
+    # cost another runtime, and `plan pq` refuses it
     assert data["dtype"] == "bfloat16"
-    with pytest.raises(ValueError, match="float32"):
-        ProfiledLatency.from_profile({**data, "dtype": "float32"})
+    out.write_text(json.dumps({**data, "dtype": "float32"}))
+    (tmp_path / "devices.yaml").write_text(f"- {{name: a, type: cpu, memory_gib: 1, profile: {out}}}\n")
+    from tessera.cli import main
+    with pytest.raises(SystemExit, match="taken in float32"):
+        main(["plan", "pq", "--devices", str(tmp_path / "devices.yaml"), "--model", tiny_models["llama"],
+              "--batch", "2", "--prompt-len", "8", "--gen-len", "4"])
 
 
 def test_plan_pq_cli_writes_a_valid_plan(tmp_path, capsys):

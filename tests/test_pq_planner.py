@@ -267,7 +267,6 @@ def test_tables_put_embeddings_first_head_last_and_kv_for_the_whole_batch():
     paper = tables_for(cluster, replace(cost, runtime="llm-pq"), work, order, 2)
     first, last = order[0].budget_bytes() - paper.budgets[0], order[1].budget_bytes() - paper.budgets[1]
     assert first - last == pytest.approx(mem.extras_bytes(2, 4, True, True) - mem.extras_bytes(2, 4, False, False))
-    assert mem.extras_bytes(2, 4, True, True) < mem.extras_bytes(2, 4, True, False) + mem.extras_bytes(2, 4, False, True)
 
 
 def test_heuristic_is_close_to_the_ilp_optimum():

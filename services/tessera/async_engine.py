@@ -135,8 +135,8 @@ class AsyncEngine:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                if idle:
-                    self._gather_arrivals()
+                if idle and not self._gather_arrivals():
+                    continue          # stopping, or every request was aborted while it waited
                 try:
                     outputs = self.engine.step()
                 except Exception as e:  # one bad step fails its requests, not the worker
@@ -154,20 +154,24 @@ class AsyncEngine:
                 self._deliver(rid, Unavailable(f"engine loop failed: {e!r}"))
             raise
 
-    def _gather_arrivals(self) -> None:
+    def _gather_arrivals(self) -> bool:
         """Work arrived at an idle engine: wait up to max_queue_delay_ms for more requests to
-        join its first step, or until a full batch (max_num_seqs) is waiting. Without it, a
-        batch sent at once is prefilled in pieces: the first request to arrive runs alone and
-        the rest wait for it (a pipeline then fills and drains twice)."""
+        join its first step, or until a full batch is waiting (max_num_seqs, or max_waiting if
+        fewer may queue). Without it, a batch sent at once is prefilled in pieces: the first
+        request to arrive runs alone and the rest wait for it (a pipeline then fills and drains
+        twice). False: do not step (the loop is stopping, or every request was aborted: the
+        next one starts a wait of its own)."""
         limits = self.engine.config.scheduler
+        full = min(limits.max_num_seqs, limits.max_waiting)
         deadline = time.monotonic() + limits.max_queue_delay_ms / 1000
-        while len(self.engine.scheduler.waiting) < limits.max_num_seqs and not self._stop:
+        while len(self.engine.scheduler.waiting) < full:
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
+            if remaining <= 0 or self._stop or not self.engine.has_unfinished:
+                break
             self._wake.wait(timeout=remaining)
             self._wake.clear()
             self._drain_inbox()
+        return not self._stop and self.engine.has_unfinished
 
     def _drain_inbox(self) -> None:
         while True:

@@ -19,14 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from tessera.layers.quant import COMPUTE_DTYPE, QuantCodes
+from tessera.layers.quant import COMPUTE_DTYPE, QuantCodes, group_scale_offset, row_scale
 
 BLOCK = 128
-
-
-def _bf16(x: torch.Tensor) -> torch.Tensor:
-    """Rounded to bfloat16 as the stored scales and offsets are, kept float32 for arithmetic."""
-    return x.to(COMPUTE_DTYPE).float()
 
 
 def gptq(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int = 32, damp: float = 0.01) -> QuantCodes:
@@ -44,13 +39,12 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int = 32
     H[dead, dead] = 1.0
     H += damp * torch.diag(H).mean() * torch.eye(k, dtype=H.dtype)
     U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
-    levels = 2 ** bits - 1
-    lowest, highest = (-127, 127) if bits == 8 else (0, levels)
+    lowest, highest = (-127, 127) if bits == 8 else (0, 2 ** bits - 1)
     codes = torch.empty(n, k, dtype=torch.int16)
     scales = torch.empty(n, k // group)
     offsets = torch.zeros(n, k // group)
     if bits == 8:
-        scales[:, 0] = _bf16((W.abs().amax(dim=1) / 127).clamp(min=1e-12))
+        scales[:, 0] = row_scale(W)
     block = -(-BLOCK // group) * group if bits != 8 else BLOCK   # a group never straddles two blocks
     for b0 in range(0, k, block):
         b1 = min(b0 + block, k)
@@ -59,10 +53,7 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int = 32
             col = b0 + j
             g = col // group
             if bits != 8 and col % group == 0:
-                span = W1[:, j:j + group]
-                lo, hi = span.amin(dim=1), span.amax(dim=1)
-                scales[:, g] = _bf16(((hi - lo) / levels).clamp(min=1e-8))
-                offsets[:, g] = _bf16(lo)
+                scales[:, g], offsets[:, g] = group_scale_offset(W1[:, j:j + group], bits)
             q = ((W1[:, j] - offsets[:, g]) / scales[:, g]).round().clamp(lowest, highest)
             codes[:, col] = q.to(torch.int16)
             E[:, j] = (W1[:, j] - (q * scales[:, g] + offsets[:, g])) / U[col, col]

@@ -54,6 +54,19 @@ class QuantCodes:
         return (q * self.scale.float()[..., None] + self.offset.float()[..., None]).view(n, k)
 
 
+def row_scale(w: torch.Tensor) -> torch.Tensor:
+    """int8's symmetric scale of every row of w [N, K] -> [N], as stored (bfloat16), in float32."""
+    return (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(COMPUTE_DTYPE).float()
+
+
+def group_scale_offset(g: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4/int3's asymmetric scale and offset of groups g [..., G] -> [...] each, as stored
+    (bfloat16), in float32: the group's range over 2^bits - 1 steps, from its minimum."""
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    scale = ((hi - lo) / (2 ** bits - 1)).clamp(min=1e-8).to(COMPUTE_DTYPE).float()
+    return scale, lo.to(COMPUTE_DTYPE).float()
+
+
 def quantize_rtn(w: torch.Tensor, bits: int, group_size: int = 32) -> QuantCodes:
     """Round-to-nearest codes of weight w [N, K]: int8 symmetric per row; int4/int3
     asymmetric per group of `group_size` columns (K must be a multiple of it). Scales and
@@ -61,7 +74,7 @@ def quantize_rtn(w: torch.Tensor, bits: int, group_size: int = 32) -> QuantCodes
     w = w.detach().float()
     n, k = w.shape
     if bits == 8:
-        scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-12).to(COMPUTE_DTYPE).float()
+        scale = row_scale(w)[:, None]
         codes = (w / scale).round().clamp(-127, 127).to(torch.int8)
         return QuantCodes(codes, scale.to(COMPUTE_DTYPE), torch.zeros_like(scale, dtype=COMPUTE_DTYPE), k)
     if bits not in (3, 4):
@@ -69,11 +82,8 @@ def quantize_rtn(w: torch.Tensor, bits: int, group_size: int = 32) -> QuantCodes
     if k % group_size:
         raise ValueError(f"input size {k} is not a multiple of the group size {group_size}")
     g = w.view(n, k // group_size, group_size)
-    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-    levels = 2 ** bits - 1
-    scale = ((hi - lo) / levels).clamp(min=1e-8).to(COMPUTE_DTYPE).float()
-    offset = lo.to(COMPUTE_DTYPE).float()
-    codes = ((g - offset[..., None]) / scale[..., None]).round().clamp(0, levels).to(torch.uint8)
+    scale, offset = group_scale_offset(g, bits)
+    codes = ((g - offset[..., None]) / scale[..., None]).round().clamp(0, 2 ** bits - 1).to(torch.uint8)
     return QuantCodes(codes.view(n, k), scale.to(COMPUTE_DTYPE), offset.to(COMPUTE_DTYPE), group_size)
 
 

@@ -1,7 +1,8 @@
 """Quantized checkpoints: `tessera quantize` writes one, the loader serves it directly.
 
 A directory holding
-    tessera_quantized.json   {"model_config": ..., "bits": [per layer], "group_size": G, "source": ...}
+    tessera_quantized.json   {"model_config": ..., "bits": [per layer], "group_size": G, "source": ...,
+                              "method": "rtn" | "gptq"}
     model.safetensors        dense tensors under our own parameter names, and for every
                              quantized linear NAME.codes (4-bit codes two to a byte, or int8),
                              NAME.scale and NAME.offset (bfloat16)

@@ -23,10 +23,11 @@ from tessera.pipeline import quality
 @torch.inference_mode()
 def gptq_codes(model: CausalLM, token_windows: list[list[int]], bits: int | Sequence[int],
                group_size: int = 32) -> dict[str, QuantCodes]:
-    """{"layers.L.NAME": codes} for every linear of every layer below 16 bits. The model is
-    changed in place: each quantized linear ends up holding its dequantized codes (what the
-    later layers' calibration must see). A linear no calibration token reached (an MoE expert
-    never routed to) gets round-to-nearest codes."""
+    """{"layers.L.NAME": codes} for every linear of every layer below 16 bits (layer_linears:
+    MoE experts are stacked parameters, not linears, and stay dense as with round-to-nearest).
+    The model is changed in place: each quantized linear ends up holding its dequantized codes
+    (what the later layers' calibration must see). A linear no calibration token reached gets
+    round-to-nearest codes."""
     bits = per_layer_bits(bits, len(model.layers))
     runner, batches, xs = None, [], []
     for window in token_windows:

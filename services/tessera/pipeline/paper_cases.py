@@ -5,7 +5,7 @@ average and largest LLM-PQ throughput ratio over each baseline. The paper's 2.26
 runs and cannot be reproduced here; these are our cost models' own predictions.
 
 Fixed assumptions: global batch 32, s = 512, n = 100 (case 2: s = 128, n = 200); the kernels the
-prototype ran at each bit-width (costmodel.KERNELS), its GPTQ layers quantized per output
+prototype ran at each bit-width (roofline.KERNELS), its GPTQ layers quantized per output
 channel (one scale and zero per row); ω with unit weight ranges (bit-width only: no OPT/BLOOM
 weights here); devices of one type share a node and their datasheet interconnect, different
 types talk over 100 Gb/s Ethernet; LLM-PQ's Σω is held at most the uniform plan's
@@ -18,7 +18,8 @@ import statistics
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tessera.pipeline.costmodel import SHAPES, Link, MemoryModel, Roofline
+from tessera.pipeline.costmodel import SHAPES, Link, MemoryModel
+from tessera.pipeline.roofline import Roofline
 from tessera.pipeline.devices import Cluster, Device, load_gpu_specs
 from tessera.pipeline.ilp import Infeasible
 from tessera.pipeline.plan import Plan

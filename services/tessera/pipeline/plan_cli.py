@@ -17,7 +17,8 @@ import json
 import pathlib
 from dataclasses import replace
 
-from tessera.pipeline.costmodel import SHAPES, MemoryModel, ModelShape, ProfiledLatency, Roofline, shape_from_config
+from tessera.pipeline.costmodel import SHAPES, MemoryModel, ModelShape, ProfiledLatency, shape_from_config
+from tessera.pipeline.roofline import Roofline
 from tessera.pipeline.devices import Cluster, load_cluster, load_gpu_specs
 from tessera.pipeline.ilp import Infeasible
 from tessera.pipeline.plan import Plan, PlanError, validate

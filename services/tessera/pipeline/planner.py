@@ -30,7 +30,7 @@ from tessera.pipeline.plan import Plan, Stage, stage_fixed_bytes
 
 
 class LatencyModel(Protocol):
-    """One device type's layer times (costmodel.ProfiledLatency, costmodel.Roofline)."""
+    """One device type's layer times (costmodel.ProfiledLatency, roofline.Roofline)."""
     @property
     def bits(self) -> tuple[int, ...]: ...
     @property

@@ -152,12 +152,12 @@ def main(a) -> int:
 
     from tessera.layers.quant import decode_regimes, quantize_model
     from tessera.models.loader import load_model
+    from tessera.pipeline.costmodel import PROFILE_DTYPE
     bits = [int(b) for b in a.bits.split(",")]
     if not 1 <= len(bits) <= 3 or not set(bits) <= {3, 4, 8, 16}:
         raise SystemExit("--bits: one to three of 3, 4, 8, 16")
     torch.set_num_threads(a.threads)
     start = time.perf_counter()
-    from tessera.pipeline.costmodel import PROFILE_DTYPE
     dtype = getattr(torch, PROFILE_DTYPE)   # not --dtype auto's pick: see PROFILE_DTYPE
     model, cfg = load_model(a.model, dtype)
     quantize_model(model, bits + [16] * (cfg.num_layers - len(bits)), group_size=a.group_size)
