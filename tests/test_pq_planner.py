@@ -330,6 +330,12 @@ def test_predict_costs_a_plan_at_workloads_it_was_not_made_for():
     one = predict(plan, cluster, cost, dataclasses.replace(work, batch=1)).prefill_s
     full = predict(plan, cluster, cost, dataclasses.replace(work, batch=plan.xi)).prefill_s
     assert one < 0.9 * full
+    # ξ + 1 prompts: a full micro-batch, then one of a single prompt (not a second of ξ)
+    odd = predict(plan, cluster, cost, dataclasses.replace(work, batch=plan.xi + 1))
+    two = predict(plan, cluster, cost, dataclasses.replace(work, batch=2 * plan.xi))
+    assert full < odd.prefill_s < two.prefill_s
+    assert odd.prefill_s == pytest.approx(full + max(predict(plan, cluster, cost, dataclasses.replace(
+        work, batch=1)).pre))
 
 
 def test_bench_pq_workloads_and_calibration():
@@ -352,7 +358,7 @@ def test_bench_pq_workloads_and_calibration():
                 "measured_s": predicted_prefill + prefill_over + predicted_decode + (n - 1) * step_over}
     rows = [{"plan": "uniform", "workloads": [run(32, 0.3, 0.5), run(48, 0.2, 0.8)]},
             {"plan": "llm-pq", "workloads": [run(32, 0.2, 0.4), run(16, 0.1, 0.2)]}]
-    assert calibrate(rows, "uniform") == {"plan": "uniform", "prefill_overhead_ms": 100.0, "prefill_scale": 1.0,
+    assert calibrate(rows, "uniform") == {"plan": "uniform", "prefill_overhead_ms": 100.0,
                                           "overhead_per_decode_step_ms": 10.0}
     assert all(w["calibrated_error_pct"] == w["calibrated_prefill_error_pct"] == w["calibrated_decode_error_pct"] == 0.0
                for w in rows[1]["workloads"])

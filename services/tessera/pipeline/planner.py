@@ -254,9 +254,17 @@ def plan_all(cluster: Cluster, cost: CostModel, work: Workload, efficient: bool 
 def predict(plan: Plan, cluster: Cluster, cost: CostModel, work: Workload) -> ilp.Evaluation:
     """The plan's layers, bits, device order and ξ, as they are, costed for another workload
     (held-out (B, s, n) points: the runtime keeps ξ, or takes all B prompts in one prefill
-    micro-batch when B < ξ, and cuts B into one decode micro-batch per stage as planned)."""
+    micro-batch when B < ξ, and cuts B into one decode micro-batch per stage as planned).
+    When ξ does not divide B the runtime's last prefill micro-batch holds the rest
+    (micro_batches.split_micro_batches): it enters the pipeline last and costs its own size."""
     devices = {d.name: d for d in cluster.devices}
     order = tuple(devices[s.device] for s in plan.stages)
-    device = tuple(j for j, s in enumerate(plan.stages) for _ in range(s.start, s.end))
-    t = tables_for(cluster, cost, work, order, min(plan.xi, work.batch))
-    return evaluate(t, Assignment(device, plan.layer_bits), work.objective)
+    assignment = Assignment(tuple(j for j, s in enumerate(plan.stages) for _ in range(s.start, s.end)),
+                            plan.layer_bits)
+    xi = min(plan.xi, work.batch)
+    ev = evaluate(tables_for(cluster, cost, work, order, xi), assignment, work.objective)
+    full, rest = divmod(work.batch, xi)
+    if not rest:
+        return ev
+    last = evaluate(tables_for(cluster, cost, work, order, rest), assignment, work.objective).pre
+    return replace(ev, prefill_s=sum(ev.pre) + (full - 1) * max(ev.pre) + max(last))
