@@ -338,6 +338,29 @@ def test_predict_costs_a_plan_at_workloads_it_was_not_made_for():
         work, batch=1)).pre))
 
 
+def test_bench_pq_reference_deployment_is_one_dense_stage_that_runs(tmp_path):
+    """The deployment bench pq measures the overheads on: every layer at 16 bits in one stage
+    on the first device's type, a topology `tessera up` accepts (no memory budget to refuse it)
+    and a prediction of its own."""
+    import json
+
+    import yaml
+
+    from tessera.bench.pq_bench import reference
+    from tessera.deploy.topology import Topology
+    from tessera.pipeline.plan_topology import plan_topology
+    cluster, cost, work = small_case(fast_mem=0.006, slow_mem=0.006)
+    plan, device, one = reference({"llm-pq": plan_method("llm-pq", cluster, cost, work)}, cluster, cost, work)
+    assert plan.layer_bits == (16,) * SHAPE.layers and [s.device for s in plan.stages] == [device.name]
+    assert device.type == cluster.devices[0].type and plan.throughput_tok_s > 0
+    plan_file = tmp_path / "ref.json"
+    plan_file.write_text(json.dumps({**plan.to_dict(), "bits": list(plan.layer_bits)}))
+    topo = tmp_path / "ref.yaml"
+    topo.write_text(yaml.safe_dump(plan_topology(plan, {device.name: device}, plan_file, "random:llama")))
+    (stage,) = [p for p in Topology.load(topo).processes() if p.role == "pipeline_shard"]
+    assert f"--layers 0:{SHAPE.layers}" in " ".join(stage.argv)
+
+
 def test_bench_pq_workloads_and_calibration():
     """Held-out workloads larger than the planned one are refused (the plan's budgets would not
     hold them); the overheads fitted on one plan's runs predict the others."""
@@ -363,4 +386,8 @@ def test_bench_pq_workloads_and_calibration():
     assert all(w["calibrated_error_pct"] == w["calibrated_prefill_error_pct"] == w["calibrated_decode_error_pct"] == 0.0
                for w in rows[1]["workloads"])
     assert "calibrated_error_pct" not in rows[0]["workloads"][0]
+    # the overheads of a deployment outside the rows predict every row
+    reference = {"plan": "reference", "workloads": [run(32, 0.5, 0.9)]}
+    assert calibrate([reference, *rows], "reference", key="profiled")["prefill_overhead_ms"] == 100.0
+    assert all(w["profiled_error_pct"] == 0.0 for r in rows for w in r["workloads"])
     assert calibrate(rows, "pipeedge") is None

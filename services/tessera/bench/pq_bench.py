@@ -13,7 +13,9 @@ predicted against measured for each. Rows {"plan", "measured_tok_s", "predicted_
 "perplexity", "workloads", ...}; perplexity is held-out (pipeline/quality.py) with the plan's
 per-layer bits; "calibrated_s" adds one overhead per prefill and per decode step fitted on
 --calibrate-on's runs, and "calibrated_error_pct" is that prediction's error on the other plans
-(see calibrate). A plan whose stage refuses to start (its memory budget) or whose run fails is
+(see calibrate). "profiled_s" / "profiled_error_pct" do the same with the overheads measured
+first on a reference deployment that is none of the plans (one stage, every layer at 16 bits:
+`reference`), so every plan is predicted before any of them has run. A plan whose stage refuses to start (its memory budget) or whose run fails is
 a row with its error.
 """
 from __future__ import annotations
@@ -35,6 +37,7 @@ import httpx
 import yaml
 
 TESSERA = [sys.executable, "-m", "tessera.cli"]
+REFERENCE = "reference"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -176,12 +179,13 @@ def compare(plan, cluster, cost, work, measured: dict) -> list[dict]:
     return rows
 
 
-def calibrate(rows: list[dict], on: str) -> dict | None:
+def calibrate(rows: list[dict], on: str, key: str = "calibrated") -> dict | None:
     """The planner sums layer and link times; a served batch also pays the scheduler, sampler,
     detokenizer, gRPC and HTTP, and its stages share the machine's cores with them. Fit that on
-    the `on` plan's workloads, then predict the OTHER plans' workloads with it (their errors are
-    the cost model's end-to-end errors once calibrated on this machine): one overhead per
-    prefill (per batch) and one per decode step, each the mean of the `on` plan's residuals.
+    the `on` row's workloads, then predict every OTHER row's workloads with it (their errors
+    are the cost model's end-to-end errors with the overheads measured elsewhere): one overhead
+    per prefill (per batch) and one per decode step, each the mean of the `on` row's residuals.
+    Written as KEY_s and KEY_error_pct (and by phase) beside each workload.
     (An affine prefill a + c · predicted, used while stage 0 still split a batch's prefill by
     arrival, came out at c = 0.97 and 1.07 in two runs, with a = 48 and 13 ms: the one plan's
     prefills span too short a range to fit a slope, so the slope only moved the intercept.)"""
@@ -192,22 +196,45 @@ def calibrate(rows: list[dict], on: str) -> dict | None:
     fixed = statistics.mean(w["measured_prefill_s"] - w["predicted_prefill_s"] for w in ws)
     step = statistics.mean((w["measured_decode_s"] - w["predicted_decode_s"]) / max(1, w["gen_len"] - 1) for w in ws)
     for r in rows:
-        for w in r.get("workloads", ()):
+        for w in r.get("workloads", ()) if r["plan"] != on else ():
             prefill = w["predicted_prefill_s"] + fixed
             decode = w["predicted_decode_s"] + (w["gen_len"] - 1) * step
-            w["calibrated_s"] = round(prefill + decode, 4)
-            if r["plan"] != on:
-                w["calibrated_error_pct"] = round(100 * (w["calibrated_s"] / w["measured_s"] - 1), 1)
-                w["calibrated_prefill_error_pct"] = round(100 * (prefill / w["measured_prefill_s"] - 1), 1)
-                w["calibrated_decode_error_pct"] = round(100 * (decode / w["measured_decode_s"] - 1), 1)
+            w[f"{key}_s"] = round(prefill + decode, 4)
+            w[f"{key}_error_pct"] = round(100 * (w[f"{key}_s"] / w["measured_s"] - 1), 1)
+            w[f"{key}_prefill_error_pct"] = round(100 * (prefill / w["measured_prefill_s"] - 1), 1)
+            w[f"{key}_decode_error_pct"] = round(100 * (decode / w["measured_decode_s"] - 1), 1)
     return {"plan": on, "prefill_overhead_ms": round(1000 * fixed, 2),
             "overhead_per_decode_step_ms": round(1000 * step, 2)}
 
 
+def reference(plans: dict, cluster, cost, work) -> tuple:
+    """The deployment the overheads are measured on once, before any plan runs: one stage
+    holding every layer at 16 bits on the first device's type and thread count, with no memory
+    budget (a Plan, its device and its one-device cluster, for plan_topology and predict)."""
+    from dataclasses import replace
+
+    from tessera.pipeline.devices import Cluster
+    from tessera.pipeline.plan import Plan, Stage
+    from tessera.pipeline.planner import predict
+    like = cluster.devices[0]
+    device = replace(like, name=REFERENCE, memory_gib=4.0)
+    n = cost.memory.shape.layers
+    stage = Stage(REFERENCE, like.type, 0, n, (16,) * n, 0.0, 0.0, 0.0, device.budget_bytes())
+    xi = min(p.xi for p in plans.values() if not isinstance(p, str))
+    plan = Plan(REFERENCE, cost.name, work.batch, work.prompt_len, work.gen_len, xi, work.batch, (stage,),
+                0.0, 0.0, 0.0, 0.0, 0.0, "reference", "profiled")
+    one = Cluster((device,))
+    ev = predict(plan, one, cost, work)
+    return replace(plan, prefill_s=ev.prefill_s, decode_s=ev.decode_s), device, one
+
+
 def summary(rows: list[dict]) -> dict:
-    """Mean and largest |error| over every plan's workloads: raw, and calibrated (other plans)."""
+    """Mean and largest |error| over every plan's workloads: raw, calibrated on one plan (the
+    other plans), and with the overheads profiled on the reference deployment (every plan)."""
     out = {}
-    for key in ("error_pct", "calibrated_error_pct", "calibrated_prefill_error_pct", "calibrated_decode_error_pct"):
+    keys = ["error_pct"] + [f"{k}_{part}error_pct" for k in ("calibrated", "profiled") for part in ("", "prefill_",
+                                                                                                   "decode_")]
+    for key in keys:
         errs = [abs(w[key]) for r in rows for w in r.get("workloads", ()) if key in w]
         if errs:
             out[key] = {"mean_abs": round(statistics.mean(errs), 1), "max_abs": max(errs), "points": len(errs)}
@@ -230,7 +257,17 @@ def main(a: argparse.Namespace) -> int:
     work_dir.mkdir(parents=True, exist_ok=True)
     vocab, model_id = load_config(resolve_model_path(a.model)).vocab_size, model_id_for(a.model)
     devices = {d.name: d for d in cluster.devices}
-    rows = []
+    ref_plan, ref_device, ref_cluster = reference(plans, cluster, cost, work)
+    rows, ref_row = [], {"plan": REFERENCE, "layout": "one stage, every layer at 16 bits, no memory budget"}
+    try:
+        ref_file = work_dir / "reference.plan.json"
+        ref_file.write_text(json.dumps({**ref_plan.to_dict(), "bits": list(ref_plan.layer_bits)}, indent=1))
+        ref_topo = work_dir / "reference.topology.yaml"
+        ref_topo.write_text(yaml.safe_dump(plan_topology(ref_plan, {REFERENCE: ref_device}, ref_file, a.model, a.port),
+                                           sort_keys=False))
+        ref_row["workloads"] = compare(ref_plan, ref_cluster, cost, work, run_plan(ref_topo, ws, a, vocab, model_id))
+    except (RuntimeError, subprocess.CalledProcessError) as e:
+        ref_row["error"] = str(e)[-400:]
     for method, plan in plans.items():
         if method not in a.methods.split(","):
             continue
@@ -254,7 +291,9 @@ def main(a: argparse.Namespace) -> int:
             row["error"] = str(e)[-400:]
         rows.append(row)
     calibration = calibrate(rows, a.calibrate_on)
+    profiled = calibrate([ref_row, *rows], REFERENCE, key="profiled")
     report = {"batch": a.batch, "prompt_len": a.prompt_len, "gen_len": a.gen_len, "notes": notes,
-              "work_dir": str(work_dir), "calibration": calibration, "errors": summary(rows), "rows": rows}
+              "work_dir": str(work_dir), "calibration": calibration, "profiled_overhead": profiled,
+              "reference": ref_row, "errors": summary(rows), "rows": rows}
     print(json.dumps(report, indent=1) if a.json else "\n".join(json.dumps(r) for r in [*rows, report["errors"]]))
     return 0
