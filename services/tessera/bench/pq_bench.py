@@ -131,6 +131,16 @@ def _wait_ready(url: str, up: subprocess.Popen, timeout_s: float, log: pathlib.P
     raise RuntimeError(f"not ready in {timeout_s} s: {log.read_text()[-600:]}")
 
 
+def deployment_files(plan, devices: dict, stem: pathlib.Path, a: argparse.Namespace) -> tuple[pathlib.Path, pathlib.Path]:
+    """STEM.plan.json (the plan with its per-layer bits) and STEM.topology.yaml (what `tessera
+    up` runs for it)."""
+    from tessera.pipeline.plan_topology import plan_topology
+    plan_file, topo_file = stem.with_suffix(".plan.json"), stem.with_suffix(".topology.yaml")
+    plan_file.write_text(json.dumps({**plan.to_dict(), "bits": list(plan.layer_bits)}, indent=1))
+    topo_file.write_text(yaml.safe_dump(plan_topology(plan, devices, plan_file, a.model, a.port), sort_keys=False))
+    return plan_file, topo_file
+
+
 def perplexity(model: str, plan_file: pathlib.Path, windows: int) -> float:
     import torch
 
@@ -244,7 +254,6 @@ def summary(rows: list[dict]) -> dict:
 def main(a: argparse.Namespace) -> int:
     from tessera.models.loader import load_config, model_id_for, resolve_model_path
     from tessera.pipeline import plan_cli
-    from tessera.pipeline.plan_topology import plan_topology
     from tessera.pipeline.planner import plan_all
     if not a.devices:
         raise SystemExit("--devices: a devices.yaml of virtual devices with `profile:` (see the README)")
@@ -260,11 +269,7 @@ def main(a: argparse.Namespace) -> int:
     ref_plan, ref_device, ref_cluster = reference(plans, cluster, cost, work)
     rows, ref_row = [], {"plan": REFERENCE, "layout": "one stage, every layer at 16 bits, no memory budget"}
     try:
-        ref_file = work_dir / "reference.plan.json"
-        ref_file.write_text(json.dumps({**ref_plan.to_dict(), "bits": list(ref_plan.layer_bits)}, indent=1))
-        ref_topo = work_dir / "reference.topology.yaml"
-        ref_topo.write_text(yaml.safe_dump(plan_topology(ref_plan, {REFERENCE: ref_device}, ref_file, a.model, a.port),
-                                           sort_keys=False))
+        _, ref_topo = deployment_files(ref_plan, {REFERENCE: ref_device}, work_dir / REFERENCE, a)
         ref_row["workloads"] = compare(ref_plan, ref_cluster, cost, work, run_plan(ref_topo, ws, a, vocab, model_id))
     except (RuntimeError, subprocess.CalledProcessError) as e:
         ref_row["error"] = str(e)[-400:]
@@ -277,10 +282,7 @@ def main(a: argparse.Namespace) -> int:
             rows.append({**row, "error": plan})
             continue
         slug = method.replace(" ", "-").replace("(", "").replace(")", "")
-        plan_file = work_dir / f"{slug}.plan.json"
-        plan_file.write_text(json.dumps({**plan.to_dict(), "bits": list(plan.layer_bits)}, indent=1))
-        topo_file = work_dir / f"{slug}.topology.yaml"
-        topo_file.write_text(yaml.safe_dump(plan_topology(plan, devices, plan_file, a.model, a.port), sort_keys=False))
+        plan_file, topo_file = deployment_files(plan, devices, work_dir / slug, a)
         row.update(layout=plan.layout(), omega_sum=round(plan.omega_sum, 6),
                    perplexity=round(perplexity(a.model, plan_file, a.ppl_windows), 3))
         try:
