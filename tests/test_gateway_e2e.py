@@ -176,3 +176,22 @@ def test_bench_serve_against_the_live_server(url):
     result = json.loads(out)
     assert result["completed"] == 3 and result["failed"] == 0 and result["output_tok_s"] > 0
     assert result["ttft_ms"]["p50"] > 0 and result["tpot_ms"]["mean"] > 0
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_bench_serve_counts_every_streamed_token(url, endpoint):
+    """`tessera bench serve` reads the SSE streams with its own HTTP/1.1 client: every request
+    completes with the usage's token count, and a request the server refuses is counted as
+    failed with its status, not as a crash."""
+    import subprocess
+    import sys
+    bench = [sys.executable, "-m", "tessera.cli", "bench", "serve", "--base-url", url, "--num-prompts", "3",
+             "--input-len", "16", "--output-len", "6", "--endpoint", endpoint, "--json"]
+    run = subprocess.run(bench, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(run.stdout)
+    assert (report["completed"], report["failed"], report["output_tokens"]) == (3, 0, 3 * 6), report
+    assert report["tpot_ms"]["p50"] > 0
+    run = subprocess.run(bench + ["--model", "no-such-model"], capture_output=True, text=True, timeout=300)
+    report = json.loads(run.stdout)
+    assert report["completed"] == 0 and report["failed"] == 3 and report["errors"][0].startswith("404"), report

@@ -227,3 +227,70 @@ def test_argmax_rows_is_torchs_argmax_ties_nans_and_infinities_included(B, V):
     wide[:, :V] = x
     for rows in (x, wide[:, :V]):                              # contiguous rows, and rows further apart
         assert torch.equal(argmax_cpu.argmax_rows(rows), rows.argmax(dim=-1))
+
+
+@pytest.mark.skipif(pa._kv_write_library() is None, reason="no C compiler for the CPU kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_write_equals_index_copy_from_the_fused_qkv_views(dtype, monkeypatch):
+    """K and V are views of the fused QKV output (tokens a QKV row apart); every row lands
+    where index_copy_ puts it, and nothing else in the caches moves. A slot outside the cache
+    (past its end, or negative) is refused before anything is written."""
+    g = torch.Generator().manual_seed(7)
+    T, H, KV, D, S = 5, 6, 2, 32, 40
+    qkv = torch.randn(T, (H + 2 * KV) * D, generator=g).to(dtype).view(T, H + 2 * KV, D)
+    k, v = qkv[:, H:H + KV], qkv[:, H + KV:]
+    slots = torch.tensor([3, 39, 0, 17, 18])
+    caches = [torch.randn(KV, S, D, generator=g).to(dtype) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    pa.kv_write_ref(k, v, *want, slots)
+    reference = pa.kv_write_ref
+    monkeypatch.setattr(pa, "kv_write_ref", lambda *a: pytest.fail("took the index_copy_ path"))
+    pa.kv_write(k, v, *caches, slots)
+    assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
+    for bad in ([0, 1, 2, 3, S], [0, -1, 2, 3, 4]):
+        with pytest.raises(IndexError):
+            pa.kv_write(k, v, *caches, torch.tensor(bad))
+        assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
+    monkeypatch.setattr(pa, "kv_write_ref", reference)
+    pa.kv_write(k, v, caches[0][:, ::2], caches[1][:, ::2], torch.tensor([0, 1, 2, 3, 4]))   # strided: index_copy_
+    assert torch.equal(caches[0][:, 0:10:2], k.transpose(0, 1))
+
+
+@pytest.mark.skipif(not pa.available(), reason="no C compiler for the CPU kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompt_chunks_by_sdpa_equal_the_kernels_rows(dtype, monkeypatch):
+    """A step with a decode token and two prompts from position 0: with prompts on SDPA (what
+    AMX machines do in bf16) the decode row alone takes the kernel, and every token's output
+    equals the all-kernel step's. A step with a chunk after cached tokens stays on the kernel."""
+    from tessera.batch import build_forward_batch
+    from tessera.layers import attention
+    from tessera.scheduler import ScheduledRequest, StepPlan
+    g = torch.Generator().manual_seed(11)
+    H, KV, D, bs = 6, 2, 64, 8
+    decode = ScheduledRequest("d", (5,), 30, (4, 9, 1, 7), True)
+    fresh = [ScheduledRequest("p", tuple(range(13)), 0, (2, 11), True),
+             ScheduledRequest("q", tuple(range(9)), 0, (0, 10), True)]
+    continued = ScheduledRequest("c", tuple(range(6)), 21, (3, 5, 6, 8), True)
+    kernel, rows = pa.paged_decode_attention, []
+    monkeypatch.setattr(pa, "paged_decode_attention", lambda q, *a: rows.append(q.shape[0]) or kernel(q, *a))
+    for plan, sdpa_rows in ((StepPlan((decode, *fresh)), [1]), (StepPlan((decode, fresh[0], continued)), None)):
+        batch = build_forward_batch(plan, bs)
+        T = batch.num_tokens
+        q, k, v = (torch.randn(T, h, D, generator=g).to(dtype) for h in (H, KV, KV))
+        caches = [torch.randn(KV, 12 * bs, D, generator=g).to(dtype) for _ in range(2)]
+        outs = {}
+        for sdpa in (False, True):
+            rows.clear()
+            monkeypatch.setattr(attention, "prompts_by_sdpa", lambda q, sdpa=sdpa: sdpa)
+            outs[sdpa] = attention.paged_attention(q, k, v, *(c.clone() for c in caches), batch, D ** -0.5)
+            assert rows == (sdpa_rows if sdpa and sdpa_rows else [T])
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(outs[True].float(), outs[False].float(), atol=tol, rtol=tol)
+
+
+def test_only_bf16_prompts_go_to_sdpa_and_only_where_the_cpu_has_amx():
+    from tessera.layers.attention import prompts_by_sdpa
+    from tessera_kernels import cbuild
+    amx = "amx_bf16" in cbuild.cpu_flags()
+    assert prompts_by_sdpa(torch.zeros(1, 1, 64, dtype=torch.bfloat16)) == amx
+    assert not prompts_by_sdpa(torch.zeros(1, 1, 64))

@@ -338,10 +338,11 @@ def test_predict_costs_a_plan_at_workloads_it_was_not_made_for():
         work, batch=1)).pre))
 
 
-def test_bench_pq_reference_deployment_is_one_dense_stage_that_runs(tmp_path):
-    """The deployment bench pq measures the overheads on: every layer at 16 bits in one stage
-    on the first device's type, a topology `tessera up` accepts (no memory budget to refuse it)
-    and a prediction of its own."""
+@pytest.mark.parametrize("stages", [1, 2])
+def test_bench_pq_reference_deployments_are_dense_stages_that_run(tmp_path, stages):
+    """The deployments bench pq measures the overheads on: every layer at 16 bits in one or two
+    equal stages on the first device's type, a topology `tessera up` accepts (no memory budget
+    to refuse it) and a prediction of its own."""
     import json
 
     import yaml
@@ -350,15 +351,17 @@ def test_bench_pq_reference_deployment_is_one_dense_stage_that_runs(tmp_path):
     from tessera.deploy.topology import Topology
     from tessera.pipeline.plan_topology import plan_topology
     cluster, cost, work = small_case(fast_mem=0.006, slow_mem=0.006)
-    plan, device, one = reference({"llm-pq": plan_method("llm-pq", cluster, cost, work)}, cluster, cost, work)
-    assert plan.layer_bits == (16,) * SHAPE.layers and [s.device for s in plan.stages] == [device.name]
-    assert device.type == cluster.devices[0].type and plan.throughput_tok_s > 0
+    plan, devices, ring = reference({"llm-pq": plan_method("llm-pq", cluster, cost, work)}, cluster, cost, work, stages)
+    assert plan.layer_bits == (16,) * SHAPE.layers and [s.device for s in plan.stages] == [d.name for d in devices]
+    assert len(devices) == stages and {d.type for d in devices} == {cluster.devices[0].type}
+    assert plan.throughput_tok_s > 0
     plan_file = tmp_path / "ref.json"
     plan_file.write_text(json.dumps({**plan.to_dict(), "bits": list(plan.layer_bits)}))
     topo = tmp_path / "ref.yaml"
-    topo.write_text(yaml.safe_dump(plan_topology(plan, {device.name: device}, plan_file, "random:llama")))
-    (stage,) = [p for p in Topology.load(topo).processes() if p.role == "pipeline_shard"]
-    assert f"--layers 0:{SHAPE.layers}" in " ".join(stage.argv)
+    topo.write_text(yaml.safe_dump(plan_topology(plan, {d.name: d for d in devices}, plan_file, "random:llama")))
+    shards = [p for p in Topology.load(topo).processes() if p.role == "pipeline_shard"]
+    cuts = [0, SHAPE.layers] if stages == 1 else [0, round(SHAPE.layers / 2), SHAPE.layers]
+    assert [p.argv[p.argv.index("--layers") + 1] for p in shards] == [f"{x}:{y}" for x, y in zip(cuts, cuts[1:])]
 
 
 def test_bench_pq_workloads_and_calibration():
@@ -386,8 +389,15 @@ def test_bench_pq_workloads_and_calibration():
     assert all(w["calibrated_error_pct"] == w["calibrated_prefill_error_pct"] == w["calibrated_decode_error_pct"] == 0.0
                for w in rows[1]["workloads"])
     assert "calibrated_error_pct" not in rows[0]["workloads"][0]
-    # the overheads of a deployment outside the rows predict every row
-    reference = {"plan": "reference", "workloads": [run(32, 0.5, 0.9)]}
-    assert calibrate([reference, *rows], "reference", key="profiled")["prefill_overhead_ms"] == 100.0
+    # overheads measured on one- and two-stage references outside the rows: a + h·(stages − 1)
+    from tessera.bench.pq_bench import profiled
+    refs = [{"plan": "reference-1", "stages": 1, "workloads": [run(32, 0.5, 0.9)]},
+            {"plan": "reference-2", "stages": 2, "workloads": [run(32, 0.5, 0.9, 0.12, 0.013)]}]
+    rows[0]["stages"], rows[1]["stages"] = 1, 2
+    rows[1]["workloads"] = [run(32, 0.2, 0.4, 0.12, 0.013), run(16, 0.1, 0.2, 0.12, 0.013)]
+    assert profiled(rows, refs) == {"prefill_overhead_ms": 100.0, "prefill_per_hop_ms": 20.0,
+                                    "overhead_per_decode_step_ms": 10.0, "decode_step_per_hop_ms": 3.0,
+                                    "reference_stages": [1, 2]}
     assert all(w["profiled_error_pct"] == 0.0 for r in rows for w in r["workloads"])
+    assert profiled(rows, refs[1:]) is None
     assert calibrate(rows, "pipeedge") is None

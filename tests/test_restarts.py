@@ -108,7 +108,10 @@ def test_up_restarts_a_sigkilled_worker_while_its_streams_fail_over(single):
         firsts = [asyncio.Event() for _ in range(6)]
         tasks = [asyncio.create_task(_chat(client, model, i, 48, firsts[i])) for i in range(6)]
         await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 60)
-        os.kill(victim, signal.SIGKILL)
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            raise AssertionError("worker-0 died before the kill:\n" + "\n".join(up.lines[-60:])) from None
         return await asyncio.gather(*tasks)
     results = asyncio.run(run())
     assert [r[1:] for r in results] == [("length", 48)] * 6 and all(r[0] for r in results)

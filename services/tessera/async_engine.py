@@ -119,6 +119,17 @@ class AsyncEngine:
             loop, q = stream
             loop.call_soon_threadsafe(q.put_nowait, item)
 
+    def _deliver_step(self, items: list[tuple[str, object]]) -> None:
+        """A step's outputs with one wake-up of each event loop, not one per request (each
+        call_soon_threadsafe writes to the loop's wake-up socket and takes the GIL)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                by_loop.setdefault(stream[0], []).append((stream[1], item))
+        for loop, puts in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, puts)
+
     def _run(self, engine: Engine | Callable[[], Engine], built: queue.SimpleQueue) -> None:
         try:
             self.engine = engine if isinstance(engine, Engine) else engine()
@@ -144,9 +155,9 @@ class AsyncEngine:
                     for rid in self.engine.fail_running():
                         self._deliver(rid, step_error(e))
                     continue
-                for out in outputs:
-                    self._deliver(out.request_id, out if out.error is None else
-                                  InternalError(f"the engine failed this request: {out.error}"))
+                self._deliver_step([(out.request_id, out if out.error is None else
+                                     InternalError(f"the engine failed this request: {out.error}"))
+                                    for out in outputs])
                 self.last_step = time.monotonic()
         except BaseException as e:  # the loop is dead: fail every open stream, never hang them
             self.error = e
@@ -203,6 +214,11 @@ class AsyncEngine:
                              completion_tokens=out.completion_tokens,
                              prompt_token_ids=tuple(prompt or ()), accepted_tokens=out.accepted_tokens,
                              rejected_tokens=out.rejected_tokens, cached_tokens=out.cached_tokens)
+
+
+def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in puts:
+        q.put_nowait(item)
 
 
 async def _take_ready(q: asyncio.Queue) -> tuple[list[RequestOutput], BaseException | None]:

@@ -27,6 +27,7 @@ from tessera.spec.acceptance import accept
 from tessera.spec.proposer import Proposer, make_proposer
 from tessera.spec.stats import SpecStats
 from tessera.spec.tree import Draft
+from tessera_kernels import cbuild
 
 log = logging.getLogger("tessera.engine")
 
@@ -65,14 +66,8 @@ class QueueFull(EngineError):
 def resolve_dtype(name: str) -> torch.dtype:
     """'auto' picks bfloat16 where the CPU multiplies it natively (AMX or AVX512-BF16), else float32."""
     if name == "auto":
-        flags = open("/proc/cpuinfo").read() if _has_cpuinfo() else ""
-        name = "bfloat16" if ("amx_bf16" in flags or "avx512_bf16" in flags) else "float32"
+        name = "bfloat16" if cbuild.cpu_flags() & {"amx_bf16", "avx512_bf16"} else "float32"
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
-
-
-def _has_cpuinfo() -> bool:
-    import os
-    return os.path.exists("/proc/cpuinfo")
 
 
 class Engine:

@@ -1,10 +1,9 @@
 """Owns the model and the KV cache tensors; turns a StepPlan into logits for sampled tokens."""
 from __future__ import annotations
 
-import mmap
-
 import torch
 
+from tessera import huge_pages
 from tessera.batch import build_forward_batch
 from tessera.models.driver import forward
 from tessera.models.llama import CausalLM
@@ -21,37 +20,12 @@ def allocate_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch
                 layers: range | None = None) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
     """K and V of every layer in `layers` (default: all); None for a layer this process does not
     hold (a pipeline stage). [kv_heads, slots, head_dim]: a gathered block list is then already
-    [kv_heads, B, L, D]."""
+    [kv_heads, B, L, D]. On 2 MiB pages (huge_pages.py)."""
     slots = num_blocks * block_size
     held = range(cfg.num_layers) if layers is None else layers
     shape = (cfg.num_kv_heads, slots, cfg.head_dim)
-    return [(_zeros_on_huge_pages(shape, dtype), _zeros_on_huge_pages(shape, dtype)) if l in held else None
+    return [(huge_pages.zeros(shape, dtype), huge_pages.zeros(shape, dtype)) if l in held else None
             for l in range(cfg.num_layers)]
-
-
-_HUGE_PAGE = 2 << 20
-
-
-def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Zeros on 2 MiB pages where Linux allows it (transparent huge pages in "madvise" mode, the
-    default here): decode attention reads the cache in 2 KiB pieces scattered over all of it,
-    and with 4 KiB pages nearly every piece missed the TLB. Measured on AMD EPYC Zen 4, batch
-    64, context ~190, 30 layers from DRAM: the attention kernel 22.7 -> 16.7 ms per step. The
-    memory is a fresh anonymous mapping (malloc may hand back pages already touched, which stay
-    small), advised before its first touch, the tensor starting on a 2 MiB boundary."""
-    count = 1
-    for n in shape:
-        count *= n
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None or nbytes < _HUGE_PAGE:
-        return torch.zeros(shape, dtype=dtype)
-    region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(advice)
-    start = torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr()
-    skip = -start % _HUGE_PAGE
-    t = torch.frombuffer(region, dtype=dtype, count=count, offset=skip).view(shape)
-    return t.zero_()    # touch every page now, not during the first requests
 
 
 class ModelRunner:

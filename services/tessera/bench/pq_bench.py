@@ -14,9 +14,10 @@ predicted against measured for each. Rows {"plan", "measured_tok_s", "predicted_
 per-layer bits; "calibrated_s" adds one overhead per prefill and per decode step fitted on
 --calibrate-on's runs, and "calibrated_error_pct" is that prediction's error on the other plans
 (see calibrate). "profiled_s" / "profiled_error_pct" do the same with the overheads measured
-first on a reference deployment that is none of the plans (one stage, every layer at 16 bits:
-`reference`), so every plan is predicted before any of them has run. A plan whose stage refuses to start (its memory budget) or whose run fails is
-a row with its error.
+first on two reference deployments that are none of the plans (one stage and two equal stages,
+every layer at 16 bits: `reference`), a + h·(stages − 1) per prefill and per decode step
+(`profiled`), so every plan is predicted before any of them has run. A plan whose stage
+refuses to start (its memory budget) or whose run fails is a row with its error.
 """
 from __future__ import annotations
 
@@ -202,45 +203,76 @@ def calibrate(rows: list[dict], on: str, key: str = "calibrated") -> dict | None
     base = next((r for r in rows if r["plan"] == on and r.get("workloads")), None)
     if base is None:
         return None
-    ws = base["workloads"]
-    fixed = statistics.mean(w["measured_prefill_s"] - w["predicted_prefill_s"] for w in ws)
-    step = statistics.mean((w["measured_decode_s"] - w["predicted_decode_s"]) / max(1, w["gen_len"] - 1) for w in ws)
+    fixed, step = overheads(base)
     for r in rows:
-        for w in r.get("workloads", ()) if r["plan"] != on else ():
-            prefill = w["predicted_prefill_s"] + fixed
-            decode = w["predicted_decode_s"] + (w["gen_len"] - 1) * step
-            w[f"{key}_s"] = round(prefill + decode, 4)
-            w[f"{key}_error_pct"] = round(100 * (w[f"{key}_s"] / w["measured_s"] - 1), 1)
-            w[f"{key}_prefill_error_pct"] = round(100 * (prefill / w["measured_prefill_s"] - 1), 1)
-            w[f"{key}_decode_error_pct"] = round(100 * (decode / w["measured_decode_s"] - 1), 1)
+        if r["plan"] != on:
+            _apply(r, key, fixed, step)
     return {"plan": on, "prefill_overhead_ms": round(1000 * fixed, 2),
             "overhead_per_decode_step_ms": round(1000 * step, 2)}
 
 
-def reference(plans: dict, cluster, cost, work) -> tuple:
-    """The deployment the overheads are measured on once, before any plan runs: one stage
-    holding every layer at 16 bits on the first device's type and thread count, with no memory
-    budget (a Plan, its device and its one-device cluster, for plan_topology and predict)."""
+def reference(plans: dict, cluster, cost, work, stages: int = 1) -> tuple:
+    """A deployment the overheads are measured on, before any plan runs: `stages` stages of
+    equal layer ranges, every layer at 16 bits, each on the first device's type and thread
+    count, with no memory budget (a Plan, its devices and their cluster, for plan_topology and
+    predict). One stage gives the overheads of a batch; two give what each more stage adds."""
     from dataclasses import replace
 
     from tessera.pipeline.devices import Cluster
     from tessera.pipeline.plan import Plan, Stage
     from tessera.pipeline.planner import predict
     like = cluster.devices[0]
-    device = replace(like, name=REFERENCE, memory_gib=4.0)
     n = cost.memory.shape.layers
-    stage = Stage(REFERENCE, like.type, 0, n, (16,) * n, 0.0, 0.0, 0.0, device.budget_bytes())
+    devices = tuple(replace(like, name=f"{REFERENCE}-{j}", memory_gib=4.0) for j in range(stages))
+    cuts = [round(j * n / stages) for j in range(stages + 1)]
+    layout = tuple(Stage(d.name, like.type, a, b, (16,) * (b - a), 0.0, 0.0, 0.0, d.budget_bytes())
+                   for d, a, b in zip(devices, cuts, cuts[1:]))
     xi = min(p.xi for p in plans.values() if not isinstance(p, str))
-    plan = Plan(REFERENCE, cost.name, work.batch, work.prompt_len, work.gen_len, xi, work.batch, (stage,),
-                0.0, 0.0, 0.0, 0.0, 0.0, "reference", "profiled")
-    one = Cluster((device,))
-    ev = predict(plan, one, cost, work)
-    return replace(plan, prefill_s=ev.prefill_s, decode_s=ev.decode_s), device, one
+    plan = Plan(f"{REFERENCE}-{stages}", cost.name, work.batch, work.prompt_len, work.gen_len, xi,
+                -(-work.batch // stages), layout, 0.0, 0.0, 0.0, 0.0, 0.0, "reference", "profiled")
+    ring = Cluster(devices)
+    ev = predict(plan, ring, cost, work)
+    return replace(plan, prefill_s=ev.prefill_s, decode_s=ev.decode_s), devices, ring
+
+
+def overheads(row: dict) -> tuple[float, float]:
+    """The mean residual of a measured row: seconds per prefill, seconds per decode step."""
+    ws = row["workloads"]
+    return (statistics.mean(w["measured_prefill_s"] - w["predicted_prefill_s"] for w in ws),
+            statistics.mean((w["measured_decode_s"] - w["predicted_decode_s"]) / max(1, w["gen_len"] - 1)
+                            for w in ws))
+
+
+def profiled(rows: list[dict], refs: list[dict], key: str = "profiled") -> dict | None:
+    """Every plan predicted with overheads measured on the reference deployments alone: per
+    prefill and per decode step, a + h·(stages − 1), a from the one-stage reference and h from
+    what the two-stage one pays more (a second process's transport, gRPC and Python on the same
+    cores; with one reference, h = 0). Written as KEY_s and KEY_error_pct beside each workload."""
+    by_stages = {r["stages"]: overheads(r) for r in refs if r.get("workloads")}
+    if 1 not in by_stages:
+        return None
+    (p1, d1), (p2, d2) = by_stages[1], by_stages.get(2, by_stages[1])
+    for r in rows:
+        hops = r.get("stages", 1) - 1
+        _apply(r, key, p1 + hops * (p2 - p1), d1 + hops * (d2 - d1))
+    return {"prefill_overhead_ms": round(1000 * p1, 2), "prefill_per_hop_ms": round(1000 * (p2 - p1), 2),
+            "overhead_per_decode_step_ms": round(1000 * d1, 2), "decode_step_per_hop_ms": round(1000 * (d2 - d1), 2),
+            "reference_stages": sorted(by_stages)}
+
+
+def _apply(row: dict, key: str, prefill_overhead: float, step_overhead: float) -> None:
+    for w in row.get("workloads", ()):
+        prefill = w["predicted_prefill_s"] + prefill_overhead
+        decode = w["predicted_decode_s"] + (w["gen_len"] - 1) * step_overhead
+        w[f"{key}_s"] = round(prefill + decode, 4)
+        w[f"{key}_error_pct"] = round(100 * (w[f"{key}_s"] / w["measured_s"] - 1), 1)
+        w[f"{key}_prefill_error_pct"] = round(100 * (prefill / w["measured_prefill_s"] - 1), 1)
+        w[f"{key}_decode_error_pct"] = round(100 * (decode / w["measured_decode_s"] - 1), 1)
 
 
 def summary(rows: list[dict]) -> dict:
     """Mean and largest |error| over every plan's workloads: raw, calibrated on one plan (the
-    other plans), and with the overheads profiled on the reference deployment (every plan)."""
+    other plans), and with the overheads profiled on the reference deployments (every plan)."""
     out = {}
     keys = ["error_pct"] + [f"{k}_{part}error_pct" for k in ("calibrated", "profiled") for part in ("", "prefill_",
                                                                                                    "decode_")]
@@ -266,17 +298,21 @@ def main(a: argparse.Namespace) -> int:
     work_dir.mkdir(parents=True, exist_ok=True)
     vocab, model_id = load_config(resolve_model_path(a.model)).vocab_size, model_id_for(a.model)
     devices = {d.name: d for d in cluster.devices}
-    ref_plan, ref_device, ref_cluster = reference(plans, cluster, cost, work)
-    rows, ref_row = [], {"plan": REFERENCE, "layout": "one stage, every layer at 16 bits, no memory budget"}
-    try:
-        _, ref_topo = deployment_files(ref_plan, {REFERENCE: ref_device}, work_dir / REFERENCE, a)
-        ref_row["workloads"] = compare(ref_plan, ref_cluster, cost, work, run_plan(ref_topo, ws, a, vocab, model_id))
-    except (RuntimeError, subprocess.CalledProcessError) as e:
-        ref_row["error"] = str(e)[-400:]
+    rows, refs = [], []
+    for stages in (1, 2):
+        ref_plan, ref_devices, ref_cluster = reference(plans, cluster, cost, work, stages)
+        ref_row = {"plan": ref_plan.method, "stages": stages,
+                   "layout": f"{stages} stage(s) of equal layer ranges, every layer at 16 bits, no memory budget"}
+        try:
+            _, ref_topo = deployment_files(ref_plan, {d.name: d for d in ref_devices}, work_dir / ref_plan.method, a)
+            ref_row["workloads"] = compare(ref_plan, ref_cluster, cost, work, run_plan(ref_topo, ws, a, vocab, model_id))
+        except (RuntimeError, subprocess.CalledProcessError) as e:
+            ref_row["error"] = str(e)[-400:]
+        refs.append(ref_row)
     for method, plan in plans.items():
         if method not in a.methods.split(","):
             continue
-        row = {"plan": method, "measured_tok_s": None,
+        row = {"plan": method, "stages": 0 if isinstance(plan, str) else len(plan.stages), "measured_tok_s": None,
                "predicted_tok_s": None if isinstance(plan, str) else round(plan.throughput_tok_s, 2)}
         if isinstance(plan, str):
             rows.append({**row, "error": plan})
@@ -293,9 +329,9 @@ def main(a: argparse.Namespace) -> int:
             row["error"] = str(e)[-400:]
         rows.append(row)
     calibration = calibrate(rows, a.calibrate_on)
-    profiled = calibrate([ref_row, *rows], REFERENCE, key="profiled")
+    profile = profiled(rows, refs)
     report = {"batch": a.batch, "prompt_len": a.prompt_len, "gen_len": a.gen_len, "notes": notes,
-              "work_dir": str(work_dir), "calibration": calibration, "profiled_overhead": profiled,
-              "reference": ref_row, "errors": summary(rows), "rows": rows}
+              "work_dir": str(work_dir), "calibration": calibration, "profiled_overhead": profile,
+              "references": refs, "errors": summary(rows), "rows": rows}
     print(json.dumps(report, indent=1) if a.json else "\n".join(json.dumps(r) for r in [*rows, report["errors"]]))
     return 0

@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from tessera import huge_pages
 from tessera.models.default_model import DEFAULT_MODEL, DEFAULT_MODEL_ID, default_model_file
 from tessera.models.llama import CausalLM, match_rules
 from tessera.models.mixtral import MixtralForCausalLM
@@ -138,6 +139,7 @@ def load_model(model: str, dtype: torch.dtype = torch.float32,
         if quantization:
             raise ValueError(f"{path} is already quantized (tessera quantize): drop --quantization")
         quantized_checkpoint.load(net, path)
+        huge_pages.move_weights(net)
         return net, cfg
     bits = parse_quantization(quantization, cfg.num_layers)
     if bits == "gguf":
@@ -148,6 +150,7 @@ def load_model(model: str, dtype: torch.dtype = torch.float32,
     load_weights(net, iter_checkpoint(path))
     if isinstance(bits, list):
         quantize_model(net, bits)
+    huge_pages.move_weights(net)   # decode streams every weight per token: no TLB miss per 4 KiB
     return net, cfg
 
 

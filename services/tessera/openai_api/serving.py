@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -41,27 +42,18 @@ async def merged(client: WorkerClient, inputs: list[GenerateInput], metrics: Gat
                  ) -> AsyncIterator[tuple[int, GenerateChunk | WorkerError]]:
     """(choice index, chunk) from every input as they arrive; an error ends that choice.
     metrics None: not a user request (the health probe), so nothing is recorded."""
+    if len(inputs) == 1:       # the usual case: no task and no queue between stream and caller
+        async with aclosing(_choice(client, inputs[0], metrics)) as items:
+            async for item in items:
+                yield 0, item
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, inp: GenerateInput) -> None:
-        start = last = time.monotonic()
-        spec = (0, 0)      # this choice's accepted, rejected draft tokens so far
         try:
-            async for chunk in client.generate(inp):
-                now = time.monotonic()
-                if metrics is not None:
-                    metrics.observe_token(chunk, now - start, now - last, first=last == start)
-                    spec = metrics.observe_spec(chunk, spec)
-                    metrics.observe_prompt(chunk)
-                last = now
-                await queue.put((i, chunk))
-        except WorkerError as e:
-            await queue.put((i, e))
-        except Exception as e:  # a bug or transport failure must still end the choice
-            await queue.put((i, WorkerError(f"{type(e).__name__}: {e}")))
+            async for item in _choice(client, inp, metrics):
+                await queue.put((i, item))
         finally:
-            if metrics is not None:
-                metrics.e2e.observe(time.monotonic() - start)
             await queue.put((i, None))
 
     tasks = [asyncio.create_task(pump(i, inp)) for i, inp in enumerate(inputs)]
@@ -77,6 +69,31 @@ async def merged(client: WorkerClient, inputs: list[GenerateInput], metrics: Gat
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _choice(client: WorkerClient, inp: GenerateInput, metrics: GatewayMetrics | None
+                  ) -> AsyncIterator[GenerateChunk | WorkerError]:
+    """One choice's chunks, observed by the metrics; a failure is its last item. Closing it
+    closes the worker stream at once (the gRPC call is cancelled, the worker aborts)."""
+    start = last = time.monotonic()
+    spec = (0, 0)      # this choice's accepted, rejected draft tokens so far
+    try:
+        async with aclosing(client.generate(inp)) as chunks:
+            async for chunk in chunks:
+                now = time.monotonic()
+                if metrics is not None:
+                    metrics.observe_token(chunk, now - start, now - last, first=last == start)
+                    spec = metrics.observe_spec(chunk, spec)
+                    metrics.observe_prompt(chunk)
+                last = now
+                yield chunk
+    except WorkerError as e:
+        yield e
+    except Exception as e:  # a bug or transport failure must still end the choice
+        yield WorkerError(f"{type(e).__name__}: {e}")
+    finally:
+        if metrics is not None:
+            metrics.e2e.observe(time.monotonic() - start)
 
 
 async def collect(client: WorkerClient, inputs: list[GenerateInput], metrics: GatewayMetrics | None

@@ -37,9 +37,10 @@ class GrpcWorkerClient:
                                    metadata=cluster_auth.metadata(request_id))
         try:
             while True:    # no deadline on the whole stream: a bound on the wait for each message
-                try:
-                    msg = await asyncio.wait_for(call.read(), self.idle_timeout_s)
-                except asyncio.TimeoutError:
+                try:       # asyncio.timeout, not wait_for: on Python 3.11 wait_for makes a task per message
+                    async with asyncio.timeout(self.idle_timeout_s):
+                        msg = await call.read()
+                except TimeoutError:
                     raise Unavailable(f"worker {self.address} sent nothing for {self.idle_timeout_s:.0f} s") from None
                 if msg is grpc.aio.EOF:
                     return
