@@ -97,3 +97,78 @@ def test_bad_parameters_are_invalid_argument(stub):
         list(worker.Generate(req, timeout=30))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert worker.Abort(worker_pb2.AbortRequest(request_id="nope"), timeout=5) is not None
+
+
+class _Outgoing:
+    """A Session's request stream, fed by the test as it goes (None ends it)."""
+
+    def __init__(self) -> None:
+        import queue
+        self.q = queue.SimpleQueue()
+
+    def send(self, msg) -> None:
+        self.q.put(msg)
+
+    def __iter__(self):
+        while (msg := self.q.get()) is not None:
+            yield msg
+
+
+def _generate(rid: str, ids: list[int], sampling) -> worker_pb2.SessionRequest:
+    return worker_pb2.SessionRequest(generate=worker_pb2.GenerateRequest(
+        request_id=rid, token_ids=common_pb2.TokenIds(ids=ids), sampling=sampling))
+
+
+def test_a_session_carries_many_generations_in_one_message_per_step(stub):
+    """Four greedy generations and a bad one over one Session: each gets the tokens its own
+    Generate call gets, the bad one its INVALID_ARGUMENT, and the updates of concurrent
+    requests share messages (one per engine step, not one per request and token)."""
+    worker, _ = stub
+    prompts = {f"s{i}": [1 + i, 2, 3 + i] for i in range(4)}
+    alone = {rid: [t for m in worker.Generate(worker_pb2.GenerateRequest(
+        request_id=rid + "-alone", token_ids=common_pb2.TokenIds(ids=ids), sampling=greedy(6)), timeout=60)
+        for t in m.token_ids] for rid, ids in prompts.items()}
+    out = _Outgoing()
+    for rid, ids in prompts.items():
+        out.send(_generate(rid, ids, greedy(6)))
+    out.send(_generate("bad", [1], greedy(2, min_tokens=5)))
+    tokens, finish, errors, messages, updates = {}, {}, {}, 0, 0
+    call = worker.Session(iter(out), timeout=60)
+    for msg in call:
+        messages += 1
+        for u in msg.updates:
+            updates += 1
+            if u.error_code:
+                errors[u.request_id] = grpc.StatusCode.INVALID_ARGUMENT.value[0] == u.error_code
+            tokens.setdefault(u.request_id, []).extend(u.output.token_ids)
+            if u.output.finish_reason:
+                finish[u.request_id] = u.output.finish_reason
+        if len(finish) == len(prompts) and errors:
+            out.send(None)
+    assert errors == {"bad": True}
+    assert finish == dict.fromkeys(prompts, "length")
+    assert {rid: tokens[rid] for rid in prompts} == alone
+    assert messages <= updates / 2, (messages, updates)
+
+
+def test_a_session_abort_frees_the_request_and_the_session_goes_on(stub):
+    import time
+    worker, _ = stub
+    out = _Outgoing()
+    out.send(_generate("long", [4, 5, 6], greedy(500)))
+    call = worker.Session(iter(out), timeout=60)
+    first = next(call)
+    assert first.updates[0].request_id == "long"
+    out.send(worker_pb2.SessionRequest(abort="long"))
+    deadline = time.monotonic() + 10
+    while worker.Info(worker_pb2.InfoRequest(), timeout=5).num_free_kv_blocks != 64:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    out.send(_generate("next", [7, 8], greedy(3)))
+    got = []
+    for msg in call:
+        got += [u for u in msg.updates if u.request_id == "next"]
+        if got and got[-1].output.finish_reason:
+            break
+    assert sum(len(u.output.token_ids) for u in got) == 3 and got[-1].output.finish_reason == "length"
+    call.cancel()

@@ -17,7 +17,7 @@ from tessera.config import ConfigError, EngineConfig
 from tessera.engine import Engine
 from tessera.rpc import convert
 from tessera.rpc.v1 import worker_pb2, worker_pb2_grpc
-from tessera.worker_api import InvalidRequest, WorkerError
+from tessera.worker_api import InvalidRequest, Unavailable, WorkerError
 
 log = logging.getLogger("tessera.worker")
 SERVICE = "tessera.rpc.v1.Worker"
@@ -26,10 +26,74 @@ SERVICE = "tessera.rpc.v1.Worker"
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
+        self.draining = False
+        self._outboxes: set[_Outbox] = set()
+
+    def drain(self) -> None:
+        """Sessions take no new request and end when their running ones have (a session
+        otherwise stays open as long as its gateway, and would hold the drain its whole grace)."""
+        self.draining = True
+        for outbox in self._outboxes:
+            outbox.wake()
 
     async def Generate(self, request, context):
         metadata = dict(context.invocation_metadata() or ())
-        logs.request_id.set(metadata.get("x-request-id") or request.request_id)
+        try:
+            async for chunk in self._outputs(request, metadata.get("x-request-id")):
+                yield convert.chunk_to_proto(chunk)
+        except WorkerError as e:
+            await context.abort(*convert.error_to_status(e))
+
+    async def Session(self, request_iterator, context):
+        """Generations multiplexed over one stream (worker.proto): a task per request puts its
+        outputs into one outbox, and each message sent holds all the outbox gathered. The engine
+        thread wakes this loop once per step with every request's output, so under load a
+        message carries one step of the whole session."""
+        outbox, running = _Outbox(), {}
+
+        async def generate(msg, log_id: str) -> None:
+            try:
+                async for chunk in self._outputs(msg, log_id):
+                    outbox.put(convert.update_to_proto(msg.request_id, chunk))
+            except WorkerError as e:
+                outbox.put(convert.update_to_proto(msg.request_id, error=e))
+            finally:
+                running.pop(msg.request_id, None)
+                outbox.wake()
+
+        async def read() -> None:
+            try:
+                async for msg in request_iterator:
+                    if msg.WhichOneof("kind") == "generate":
+                        rid = msg.generate.request_id
+                        if self.draining:
+                            outbox.put(convert.update_to_proto(rid, error=Unavailable("the worker is draining")))
+                        elif rid in running:
+                            outbox.put(convert.update_to_proto(rid, error=InvalidRequest(
+                                f"request id {rid} is already running", "request_id")))
+                        else:
+                            running[rid] = asyncio.create_task(generate(msg.generate, msg.log_request_id))
+                    elif msg.abort in running:
+                        running[msg.abort].cancel()
+            finally:
+                outbox.wake()
+
+        reader = asyncio.create_task(read())
+        self._outboxes.add(outbox)
+        try:
+            while not ((reader.done() or self.draining) and not running and not outbox.items):
+                updates = await outbox.take()
+                if updates:
+                    yield worker_pb2.SessionResponse(updates=updates)
+        finally:
+            self._outboxes.discard(outbox)
+            reader.cancel()
+            for task in list(running.values()):
+                task.cancel()
+
+    async def _outputs(self, request, log_id: str | None):
+        """One generation's chunks; its failure as a WorkerError."""
+        logs.request_id.set(log_id or request.request_id)
         t0, tokens, finish = time.monotonic(), 0, None
         try:
             req = convert.generate_request_from_proto(request)
@@ -37,12 +101,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             async for chunk in self.engine.generate(req):
                 tokens += len(chunk.token_ids)
                 finish = chunk.finish_reason or finish
-                yield convert.chunk_to_proto(chunk)
+                yield chunk
         except ConfigError as e:
-            await context.abort(*convert.error_to_status(InvalidRequest(str(e))))
+            raise InvalidRequest(str(e)) from None
         except WorkerError as e:
             logs.event(log, "generate failed", error=str(e))
-            await context.abort(*convert.error_to_status(e))
+            raise
         finally:
             logs.event(log, "generate done", completion_tokens=tokens, finish_reason=finish,
                        duration_ms=round((time.monotonic() - t0) * 1000, 1))
@@ -53,6 +117,27 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Info(self, request, context):
         return convert.info_to_proto(self.engine.info())
+
+
+class _Outbox:
+    """What a session has to send, and a wake-up for its writer."""
+
+    def __init__(self) -> None:
+        self.items: list = []
+        self._ready = asyncio.Event()
+
+    def put(self, item) -> None:
+        self.items.append(item)
+        self._ready.set()
+
+    def wake(self) -> None:
+        self._ready.set()
+
+    async def take(self) -> list:
+        await self._ready.wait()
+        self._ready.clear()
+        items, self.items = self.items, []
+        return items
 
 
 async def _watch_health(engine: AsyncEngine, health_servicer: health.HealthServicer) -> None:
@@ -80,7 +165,8 @@ async def serve(config: EngineConfig, host: str, port: int, build=None, role: st
         serve_worker_metrics(engine, role, metrics_port, host)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)],
                              interceptors=[cluster_auth.AioServerInterceptor()])
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine), server)
+    servicer = WorkerServicer(engine)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
@@ -95,7 +181,7 @@ async def serve(config: EngineConfig, host: str, port: int, build=None, role: st
     print(f"tessera worker ready on {host}:{bound}", flush=True)
     try:
         await stopping.wait()
-        await _drain(server, health_servicer, tasks, shutdown_grace_s)
+        await _drain(server, servicer, health_servicer, tasks, shutdown_grace_s)
     finally:
         for task in tasks:
             task.cancel()
@@ -138,7 +224,8 @@ def _warmed(engine: Engine) -> Engine:
     return engine
 
 
-async def _drain(server: grpc.aio.Server, health_servicer: health.HealthServicer, tasks, grace_s: float) -> None:
+async def _drain(server: grpc.aio.Server, servicer: WorkerServicer, health_servicer: health.HealthServicer, tasks,
+                 grace_s: float) -> None:
     """Leave the registry at once (the gateway stops routing here), say NOT_SERVING, refuse new
     requests, and give the ones in flight up to grace_s to finish."""
     log.info("draining: deregistering, finishing in-flight requests (up to %.0f s)", grace_s)
@@ -146,6 +233,7 @@ async def _drain(server: grpc.aio.Server, health_servicer: health.HealthServicer
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)   # _register's finally removes the record
     health_servicer.enter_graceful_shutdown()
+    servicer.drain()
     await server.stop(grace_s)
 
 

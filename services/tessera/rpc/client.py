@@ -9,7 +9,7 @@ import grpc
 from tessera import cluster_auth, logs
 from tessera.rpc import convert
 from tessera.rpc.v1 import worker_pb2, worker_pb2_grpc
-from tessera.worker_api import GenerateChunk, GenerateInput, Unavailable, WorkerInfo
+from tessera.worker_api import GenerateChunk, GenerateInput, InvalidRequest, Unavailable, WorkerError, WorkerInfo
 
 _OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
@@ -22,6 +22,7 @@ class GrpcWorkerClient:
         self.idle_timeout_s = idle_timeout_s
         self._channel: grpc.aio.Channel | None = None
         self._stub_obj: worker_pb2_grpc.WorkerStub | None = None
+        self._session: _Session | None = None
 
     @property
     def _stub(self) -> worker_pb2_grpc.WorkerStub:
@@ -32,23 +33,30 @@ class GrpcWorkerClient:
         return self._stub_obj
 
     async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateChunk]:
-        request_id = ("x-request-id", logs.request_id.get() or request.request_id)
-        call = self._stub.Generate(convert.generate_request_to_proto(request),
-                                   metadata=cluster_auth.metadata(request_id))
+        """One generation over this client's session (worker.proto's Session): the worker sends
+        one message per engine step for all of them, not one per request."""
+        session = self._session_now()
+        q = session.start(request, logs.request_id.get() or request.request_id)
+        finished = False
         try:
-            while True:    # no deadline on the whole stream: a bound on the wait for each message
-                try:       # asyncio.timeout, not wait_for: on Python 3.11 wait_for makes a task per message
+            while not finished:    # no deadline on the whole stream: a bound on the wait for each message
+                try:               # asyncio.timeout, not wait_for: on Python 3.11 wait_for makes a task per message
                     async with asyncio.timeout(self.idle_timeout_s):
-                        msg = await call.read()
+                        item = await q.get()
                 except TimeoutError:
                     raise Unavailable(f"worker {self.address} sent nothing for {self.idle_timeout_s:.0f} s") from None
-                if msg is grpc.aio.EOF:
-                    return
-                yield convert.chunk_from_proto(msg)
-        except grpc.aio.AioRpcError as e:
-            raise convert.error_from_status(e.code(), e.details()) from None
+                if isinstance(item, WorkerError):
+                    finished = True
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
         finally:
-            call.cancel()  # no-op when finished; aborts the request in the worker otherwise
+            session.end(request.request_id, abort=not finished)
+
+    def _session_now(self) -> _Session:
+        if self._session is None or self._session.closed:
+            self._session = _Session(self._stub, self.address)
+        return self._session
 
     async def abort(self, request_id: str) -> None:
         await self._stub.Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=5,
@@ -63,6 +71,64 @@ class GrpcWorkerClient:
             raise convert.error_from_status(e.code(), e.details()) from None
 
     async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
         if self._channel is not None:
             await self._channel.close()
             self._channel, self._stub_obj = None, None
+
+
+class _Session:
+    """One Session stream to a worker, shared by the generations of a client: requests and
+    aborts go out through a queue; a reader hands each update to its request's queue. When the
+    stream ends or fails (the worker died, drained or restarted), every open request gets
+    Unavailable, and the client's next generation opens a new session."""
+
+    def __init__(self, stub: worker_pb2_grpc.WorkerStub, address: str) -> None:
+        self.address, self.closed = address, False
+        self._outgoing: asyncio.Queue = asyncio.Queue()
+        self._open: dict[str, asyncio.Queue] = {}
+        self._call = stub.Session(self._requests(), metadata=cluster_auth.metadata())
+        self._reader = asyncio.create_task(self._read())
+
+    def start(self, request: GenerateInput, log_id: str) -> asyncio.Queue:
+        if request.request_id in self._open:
+            raise InvalidRequest(f"request id {request.request_id} is already running", "request_id")
+        q: asyncio.Queue = asyncio.Queue()
+        self._open[request.request_id] = q
+        self._outgoing.put_nowait(convert.session_generate(request, log_id))
+        return q
+
+    def end(self, request_id: str, abort: bool) -> None:
+        """The caller stopped reading; abort: it did so before the request finished."""
+        self._open.pop(request_id, None)
+        if abort and not self.closed:
+            self._outgoing.put_nowait(convert.session_abort(request_id))
+
+    async def _requests(self):
+        while True:
+            yield await self._outgoing.get()
+
+    async def _read(self) -> None:
+        error: WorkerError = Unavailable(f"worker {self.address} ended the session")
+        try:
+            async for msg in self._call:
+                for u in msg.updates:
+                    q = self._open.get(u.request_id)
+                    if q is not None:
+                        q.put_nowait(convert.update_from_proto(u))
+        except grpc.aio.AioRpcError as e:
+            error = convert.error_from_status(e.code(), e.details())
+        except asyncio.CancelledError:
+            error = Unavailable(f"session with worker {self.address} closed")
+        finally:
+            self.closed = True
+            for q in self._open.values():
+                q.put_nowait(error)
+
+    async def close(self) -> None:
+        self.closed = True
+        self._call.cancel()
+        self._reader.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)

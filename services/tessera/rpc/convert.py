@@ -58,6 +58,14 @@ def generate_request_to_proto(req: GenerateInput) -> worker_pb2.GenerateRequest:
     return msg
 
 
+def session_generate(req: GenerateInput, log_request_id: str) -> worker_pb2.SessionRequest:
+    return worker_pb2.SessionRequest(generate=generate_request_to_proto(req), log_request_id=log_request_id)
+
+
+def session_abort(request_id: str) -> worker_pb2.SessionRequest:
+    return worker_pb2.SessionRequest(abort=request_id)
+
+
 def generate_request_from_proto(msg: worker_pb2.GenerateRequest) -> GenerateInput:
     kind = msg.WhichOneof("prompt")
     return GenerateInput(
@@ -93,6 +101,22 @@ def chunk_from_proto(msg: worker_pb2.GenerateResponse) -> GenerateChunk:
             for lp in msg.logprobs))
 
 
+def update_to_proto(request_id: str, chunk: GenerateChunk | None = None,
+                    error: WorkerError | None = None) -> worker_pb2.SessionUpdate:
+    """A session's news for one request: its next chunk, or the error that ended it (the
+    status a Generate stream would have ended with)."""
+    if error is not None:
+        code, details = error_to_status(error)
+        return worker_pb2.SessionUpdate(request_id=request_id, error_code=code.value[0], error_details=details)
+    return worker_pb2.SessionUpdate(request_id=request_id, output=chunk_to_proto(chunk))
+
+
+def update_from_proto(u: worker_pb2.SessionUpdate) -> GenerateChunk | WorkerError:
+    if u.error_code:
+        return error_from_status(_CODES.get(u.error_code, grpc.StatusCode.UNKNOWN), u.error_details)
+    return chunk_from_proto(u.output)
+
+
 def info_to_proto(i: WorkerInfo) -> worker_pb2.InfoResponse:
     return worker_pb2.InfoResponse(
         model_id=i.model_id, max_model_len=i.max_model_len, num_kv_blocks=i.num_kv_blocks,
@@ -113,6 +137,9 @@ def info_from_proto(m: worker_pb2.InfoResponse) -> WorkerInfo:
 # WorkerError <-> gRPC status. The error class travels in the details as "<code>|<param>|<message>".
 _STATUS = {InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT, Saturated: grpc.StatusCode.RESOURCE_EXHAUSTED,
            Unavailable: grpc.StatusCode.UNAVAILABLE}
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
 def error_to_status(e: WorkerError) -> tuple[grpc.StatusCode, str]:
