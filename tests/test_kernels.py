@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.layers.norm import rms_norm_low_precision
-from tessera_kernels import elementwise_cpu, gemv_cpu, gemv_quant_cpu
+from tessera_kernels import amx_linear, elementwise_cpu, gemv_cpu, gemv_quant_cpu
 from tessera_kernels import paged_attention_cpu as pa
 
 pytestmark = pytest.mark.kernels
@@ -294,3 +294,54 @@ def test_only_bf16_prompts_go_to_sdpa_and_only_where_the_cpu_has_amx():
     amx = "amx_bf16" in cbuild.cpu_flags()
     assert prompts_by_sdpa(torch.zeros(1, 1, 64, dtype=torch.bfloat16)) == amx
     assert not prompts_by_sdpa(torch.zeros(1, 1, 64))
+
+
+@pytest.mark.skipif(not amx_linear.available(), reason="this CPU has no AMX (amx_bf16): the AMX linear is not built")
+@pytest.mark.parametrize("M", [5, 16, 17, 31, 32, 40, 64])
+@pytest.mark.parametrize("N,K,bias", [(960, 576, False), (576, 1536, True), (32, 32, True)])
+def test_amx_linear_matches_its_reference_and_onednn(M, N, K, bias):
+    """Row counts on and off the 16-row tiles (a padded last block), with a bias, and x a view
+    whose rows are further apart than K: close to the float32 reference, and oneDNN's bf16
+    linear where the engine uses it (up to MAX_ROWS; equal bit for bit on the Xeon we measured,
+    where the tile products run in the same order)."""
+    g = torch.Generator().manual_seed(M * N + K)
+    w = torch.randn(N, K, generator=g).bfloat16()
+    x = torch.randn(M, K + 64, generator=g).bfloat16()[:, 32:32 + K]
+    b = torch.randn(N, generator=g).bfloat16() if bias else None
+    y = amx_linear.linear(x, amx_linear.pack(w), b, N)
+    ref = amx_linear.linear_ref(x, w, b)
+    torch.testing.assert_close(y.float(), ref.float(), rtol=1.6e-2, atol=1e-2)
+    onednn = torch.ops.mkldnn._linear_pointwise(x.contiguous(), torch.ops.mkldnn._reorder_linear_weight(w, None),
+                                                b, "none", [], "")
+    if M <= amx_linear.MAX_ROWS:   # bit for bit on the Xeon measured; a last-bit difference is allowed
+        assert (y != onednn).float().mean().item() <= 1e-3
+
+
+def test_amx_linear_applies_only_to_mid_batches_of_bf16_tiles():
+    w = torch.zeros(64, 64, dtype=torch.bfloat16)
+    ok = amx_linear.available()
+    assert amx_linear.applies(torch.zeros(8, 64, dtype=torch.bfloat16), w) == ok
+    assert not amx_linear.applies(torch.zeros(4, 64, dtype=torch.bfloat16), w)        # the GEMV's
+    assert not amx_linear.applies(torch.zeros(33, 64, dtype=torch.bfloat16), w)       # oneDNN's
+    assert not amx_linear.applies(torch.zeros(8, 64), w.float())
+    assert not amx_linear.applies(torch.zeros(8, 48, dtype=torch.bfloat16), torch.zeros(64, 48, dtype=torch.bfloat16))
+    assert not amx_linear.applies(torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(48, 64, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(not amx_linear.available(), reason="this CPU has no AMX (amx_bf16): the AMX linear is not built")
+def test_linear_layer_takes_the_amx_path_for_mid_batches(monkeypatch):
+    """The layer sends 5-32 bf16 rows to the AMX kernel (spied), with the same result as the
+    oneDNN path it replaces, and packs again after its weight changes."""
+    from tessera.layers.linear import Linear
+    layer = Linear(64, 96, bias=True).bfloat16().requires_grad_(False)
+    x = torch.randn(12, 64).bfloat16()
+    calls = []
+    real = amx_linear.linear
+    monkeypatch.setattr(amx_linear, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    with torch.inference_mode():
+        y = layer(x)
+        want = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(layer.weight, None),
+                                                  layer.bias, "none", [], "")
+        assert calls == [12] and torch.equal(y, want)
+        layer.weight.mul_(2)
+        assert torch.equal(layer(x), real(x, amx_linear.pack(layer.weight), layer.bias, 96))
