@@ -288,6 +288,35 @@ def test_prompt_chunks_by_sdpa_equal_the_kernels_rows(dtype, monkeypatch):
         torch.testing.assert_close(outs[True].float(), outs[False].float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_equal_length_fresh_prompts_share_one_sdpa_call_with_the_same_bits(dtype, monkeypatch):
+    """Three fresh prompts of 8 tokens back to back, then one of 5: two SDPA calls (a batch of
+    three and the odd one), and every token's output equals one call per prompt."""
+    import torch.nn.functional as F
+
+    from tessera.batch import build_forward_batch
+    from tessera.layers import attention
+    from tessera.scheduler import ScheduledRequest, StepPlan
+    g = torch.Generator().manual_seed(5)
+    H, KV, D, bs = 6, 2, 64, 8
+    plan = StepPlan(tuple(ScheduledRequest(f"r{i}", tuple(range(n)), 0, (2 * i, 2 * i + 1), True)
+                          for i, n in enumerate((8, 8, 8, 5))))
+    batch = build_forward_batch(plan, bs)
+    qkv = torch.randn(batch.num_tokens, (H + 2 * KV) * D, generator=g).to(dtype)   # strided views, as in the model
+    q, k, v = qkv[:, :H * D].view(-1, H, D), qkv[:, H * D:(H + KV) * D].view(-1, KV, D), qkv[:, (H + KV) * D:].view(-1, KV, D)
+    caches = [torch.zeros(KV, 12 * bs, D, dtype=dtype) for _ in range(2)]
+    monkeypatch.setattr(attention, "_kernel_applies", lambda q: False)
+    calls, sdpa = [], F.scaled_dot_product_attention
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", lambda q, *a, **kw: calls.append(q.shape[0]) or sdpa(q, *a, **kw))
+    out = attention.paged_attention(q, k, v, *caches, batch, D ** -0.5)
+    assert calls == [3, 1]
+    for c in batch.prefills:
+        s, n = c.token_start, c.num_tokens
+        one = sdpa(q[s:s + n].transpose(0, 1)[None], k[s:s + n].transpose(0, 1)[None], v[s:s + n].transpose(0, 1)[None],
+                   is_causal=True, scale=D ** -0.5, enable_gqa=True)[0].transpose(0, 1)
+        assert torch.equal(out[s:s + n], one)
+
+
 def test_only_bf16_prompts_go_to_sdpa_and_only_where_the_cpu_has_amx():
     from tessera.layers.attention import prompts_by_sdpa
     from tessera_kernels import cbuild
