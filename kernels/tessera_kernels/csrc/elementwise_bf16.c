@@ -66,14 +66,18 @@ void silu_mul_bf16(const uint16_t *gu, int64_t gu_stride, uint16_t *y, int T, in
             bits &= 0x7fffffffu;
             memcpy(&mag, &bits, sizeof mag);
             v16 e = exp16((v16){0} - mag);                       /* e^-|g| in (0, 1] */
-            v16 pos_sig = 1.0f / (1.0f + e), neg_sig = e / (1.0f + e);
-            v16i ps, ns;
-            memcpy(&ps, &pos_sig, sizeof ps);
-            memcpy(&ns, &neg_sig, sizeof ns);
+            /* sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) below: one division with the
+             * numerator picked first, the same IEEE quotient as either form (Intel Xeon with
+             * AMX, 2048 x 1536 values: 1.40-2.03 -> 1.26-1.85 ms against two divisions) */
             v16i gone = mag > 88.72f;        /* torch: e^|g| overflows, g / inf = -0 */
-            v16i sig_bits = (neg & ~gone & ns) | (~neg & ps);
-            v16 sig;
-            memcpy(&sig, &sig_bits, sizeof sig);
+            v16 one = 1.0f + (v16){0};
+            v16i eb, ob;
+            memcpy(&eb, &e, sizeof eb);
+            memcpy(&ob, &one, sizeof ob);
+            v16i num_bits = (neg & ~gone & eb) | (~neg & ob);   /* 0 where the sigmoid is 0 */
+            v16 num;
+            memcpy(&num, &num_bits, sizeof num);
+            v16 sig = num / (1.0f + e);
             store_bf16(yr + i, round_bf16(round_bf16(gv * sig) * widen(u + i)));
         }
     }
