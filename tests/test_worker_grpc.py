@@ -172,3 +172,40 @@ def test_a_session_abort_frees_the_request_and_the_session_goes_on(stub):
             break
     assert sum(len(u.output.token_ids) for u in got) == 3 and got[-1].output.finish_reason == "length"
     call.cancel()
+
+
+def test_a_session_request_that_raises_ends_alone_with_a_500():
+    """A bug in one generation (not a WorkerError) ends that request at once with INTERNAL;
+    the other request of the session completes."""
+    import asyncio
+
+    from tessera.entrypoints.worker import WorkerServicer
+    from tessera.worker_api import GenerateChunk
+
+    class Engine:
+        async def generate(self, req):
+            if req.request_id == "bad":
+                raise RuntimeError("boom")
+            yield GenerateChunk("x", (1,), finish_reason="length", completion_tokens=1)
+
+    async def run():
+        async def requests():
+            for rid in ("bad", "good"):
+                yield _generate(rid, [1], greedy(1))
+        updates = {}
+        async for msg in WorkerServicer(Engine()).Session(requests(), None):
+            updates.update((u.request_id, u) for u in msg.updates)
+        return updates
+    updates = asyncio.run(asyncio.wait_for(run(), 10))
+    assert updates["bad"].error_code == grpc.StatusCode.INTERNAL.value[0]
+    assert updates["good"].output.finish_reason == "length" and not updates["good"].error_code
+
+
+def test_session_messages_stay_under_the_size_cap(monkeypatch):
+    from tessera.entrypoints import worker
+    monkeypatch.setattr(worker, "MESSAGE_BYTES", 1000)
+    updates = [worker_pb2.SessionUpdate(request_id=f"r{i}", output=worker_pb2.GenerateResponse(text="y" * 300))
+               for i in range(10)]
+    messages = worker._messages(updates)
+    assert [u.request_id for m in messages for u in m.updates] == [u.request_id for u in updates]
+    assert len(messages) > 1 and all(m.ByteSize() <= 1000 + 400 for m in messages)

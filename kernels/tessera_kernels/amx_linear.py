@@ -40,10 +40,11 @@ def available() -> bool:
 
 
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """bf16 on the CPU, MIN_ROWS..MAX_ROWS rows each contiguous, N and K multiples of 32, and
-    the kernel built for AMX."""
+    """bf16 on the CPU, MIN_ROWS..MAX_ROWS rows each contiguous and at least K apart (not an
+    expanded view), N and K multiples of 32, and the kernel built for AMX."""
     return (x.dtype == w.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2
-            and MIN_ROWS <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1 and w.dim() == 2 and w.is_contiguous()
+            and MIN_ROWS <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1 and x.stride(0) >= x.shape[1]
+            and w.dim() == 2 and w.is_contiguous()
             and w.shape[0] % 32 == 0 and w.shape[1] % 32 == 0 and available())
 
 
@@ -57,11 +58,11 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, N: 
     """x [M, K] @ W^T (+ bias) -> [M, N] bf16, W given packed; callers check applies() first."""
     M, K = x.shape
     y = torch.empty(M, N, dtype=torch.bfloat16)
-    b = None if bias is None else bias.contiguous()
+    b = None if bias is None else bias.to(torch.bfloat16).contiguous()   # the kernel reads a bf16 bias
     if _library().amx_linear_bf16(x.data_ptr(), x.stride(0), packed.data_ptr(),
                                   None if b is None else b.data_ptr(), y.data_ptr(), M, N, K,
                                   torch.get_num_threads()) != 0:
-        raise MemoryError("amx_linear_bf16: no memory for the padded rows")
+        raise MemoryError("amx_linear_bf16: rows out of range or no memory for the padded ones")
     return y
 
 

@@ -134,11 +134,11 @@ static void tall(const uint16_t *const *xb, int64_t xs, int blocks, const uint16
 }
 
 /* x: [M, K] bf16, rows x_stride elements apart, 1 <= M <= 64; w: packed as above; bias [N]
- * bf16 or NULL; y: [M, N] bf16 contiguous. N and K multiples of 32. Returns 0, or -1 for
- * an M out of range or no memory. */
+ * bf16 or NULL; y: [M, N] bf16 contiguous. N and K multiples of 32, x_stride >= K. Returns
+ * 0, or -1 for an M or stride out of range or no memory. */
 int amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                     int M, int N, int K, int threads) {
-    if (M < 1 || M > 64) return -1;
+    if (M < 1 || M > 64 || x_stride < K) return -1;
     const int KB = K / 32, NB = N / 32, blocks = (M + 15) / 16, tail = M % 16;
     /* Row block b of x, 16 rows x_stride apart; a last block of fewer rows comes from a
      * zero-padded copy (its extra rows are computed and dropped). */
@@ -146,7 +146,8 @@ int amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, cons
     uint16_t *pad = NULL;
     for (int b = 0; b < blocks; b++) xb[b] = x + (int64_t)b * 16 * x_stride;
     if (tail) {
-        pad = aligned_alloc(64, (size_t)16 * x_stride * sizeof(uint16_t) + 64);
+        const size_t bytes = ((size_t)16 * x_stride * sizeof(uint16_t) + 127) / 64 * 64;   /* a multiple of 64 */
+        pad = aligned_alloc(64, bytes);
         if (!pad) return -1;
         memset(pad, 0, (size_t)16 * x_stride * sizeof(uint16_t));
         memcpy(pad, xb[blocks - 1], ((size_t)(tail - 1) * x_stride + K) * sizeof(uint16_t));

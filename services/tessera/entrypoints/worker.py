@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import logging
 import signal
 import time
@@ -17,7 +18,7 @@ from tessera.config import ConfigError, EngineConfig
 from tessera.engine import Engine
 from tessera.rpc import convert
 from tessera.rpc.v1 import worker_pb2, worker_pb2_grpc
-from tessera.worker_api import InvalidRequest, Unavailable, WorkerError
+from tessera.worker_api import InternalError, InvalidRequest, Unavailable, WorkerError
 
 log = logging.getLogger("tessera.worker")
 SERVICE = "tessera.rpc.v1.Worker"
@@ -57,9 +58,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     outbox.put(convert.update_to_proto(msg.request_id, chunk))
             except WorkerError as e:
                 outbox.put(convert.update_to_proto(msg.request_id, error=e))
-            finally:
-                running.pop(msg.request_id, None)
-                outbox.wake()
+            except Exception as e:   # a bug: this request ends with a 500 now, not after an idle timeout
+                log.exception("request %s failed in its session", msg.request_id)
+                outbox.put(convert.update_to_proto(msg.request_id, error=InternalError(
+                    f"the worker failed this request: {type(e).__name__}")))
+
+        def finished(rid: str, task: asyncio.Task) -> None:
+            """Also when the task was cancelled before it ever ran (its finally would not)."""
+            if running.get(rid) is task:
+                del running[rid]
+            outbox.wake()
 
         async def read() -> None:
             try:
@@ -72,7 +80,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                             outbox.put(convert.update_to_proto(rid, error=InvalidRequest(
                                 f"request id {rid} is already running", "request_id")))
                         else:
-                            running[rid] = asyncio.create_task(generate(msg.generate, msg.log_request_id))
+                            running[rid] = task = asyncio.create_task(generate(msg.generate, msg.log_request_id))
+                            task.add_done_callback(functools.partial(finished, rid))
                     elif msg.abort in running:
                         running[msg.abort].cancel()
             finally:
@@ -82,9 +91,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._outboxes.add(outbox)
         try:
             while not ((reader.done() or self.draining) and not running and not outbox.items):
-                updates = await outbox.take()
-                if updates:
-                    yield worker_pb2.SessionResponse(updates=updates)
+                for message in _messages(await outbox.take()):
+                    yield message
         finally:
             self._outboxes.discard(outbox)
             reader.cancel()
@@ -117,6 +125,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Info(self, request, context):
         return convert.info_to_proto(self.engine.info())
+
+
+MESSAGE_BYTES = 4 << 20   # a session message stays far below the client's 64 MiB receive limit
+
+
+def _messages(updates: list) -> list:
+    """Updates as SessionResponses of at most MESSAGE_BYTES each (one update may be alone
+    above it): a backlog of many steps, a slow reader or large logprobs never make one message
+    the client refuses, which would fail every request of the session."""
+    messages, batch, size = [], [], 0
+    for u in updates:
+        n = u.ByteSize()
+        if batch and size + n > MESSAGE_BYTES:
+            messages.append(worker_pb2.SessionResponse(updates=batch))
+            batch, size = [], 0
+        batch.append(u)
+        size += n
+    if batch:
+        messages.append(worker_pb2.SessionResponse(updates=batch))
+    return messages
 
 
 class _Outbox:
@@ -203,13 +231,17 @@ def one_malloc_arena() -> None:
 def _warmed(engine: Engine) -> Engine:
     """Requests through prefill and decode before the worker says it is ready: the CPU
     kernels are compiled and oneDNN's GEMM primitives built now, not in a user's request.
-    Two short ones fill no KV block; nothing of the long one stays in the prefix cache."""
+    Short ones fill no KV block; nothing of the long one stays in the prefix cache."""
     from tessera.config import SamplingParams
     from tessera.kv_cache import PrefixCacheStats
     t0 = time.monotonic()
     bos = engine.model_config.bos_token_id or 1
     half = max(1, engine.kv.block_size // 2 - 2)
-    engine.generate([[bos] * half] * 2, SamplingParams(temperature=0, max_tokens=2))
+    # 8 of them: a decode step of 8 rows also builds and packs the mid-batch AMX linears
+    # (tessera_kernels.amx_linear) where the CPU has AMX.
+    limits = engine.config.scheduler
+    rows = min(8, limits.max_num_seqs, limits.max_waiting, engine.kv.num_blocks)
+    engine.generate([[bos] * half] * rows, SamplingParams(temperature=0, max_tokens=2))
     # Then one step as long as the token budget (as vLLM's profile run): oneDNN makes its
     # large-matrix kernels now, not in the first busy minute (measured: the first 64-prompt
     # run after start was ~3% slower than the next). Its blocks leave the prefix cache, and

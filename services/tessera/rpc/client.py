@@ -111,21 +111,26 @@ class _Session:
             yield await self._outgoing.get()
 
     async def _read(self) -> None:
-        error: WorkerError = Unavailable(f"worker {self.address} ended the session")
+        status, reason = None, f"worker {self.address} ended the session"
         try:
             async for msg in self._call:
                 for u in msg.updates:
                     q = self._open.get(u.request_id)
-                    if q is not None:
+                    if q is None:
+                        continue
+                    try:
                         q.put_nowait(convert.update_from_proto(u))
+                    except Exception as e:   # one malformed update ends its own request only
+                        q.put_nowait(WorkerError(f"bad update from worker {self.address}: {type(e).__name__}"))
         except grpc.aio.AioRpcError as e:
-            error = convert.error_from_status(e.code(), e.details())
+            status = e.code(), e.details()
         except asyncio.CancelledError:
-            error = Unavailable(f"session with worker {self.address} closed")
+            reason = f"session with worker {self.address} closed"
+            raise
         finally:
             self.closed = True
-            for q in self._open.values():
-                q.put_nowait(error)
+            for q in self._open.values():   # an exception of its own for each request
+                q.put_nowait(convert.error_from_status(*status) if status else Unavailable(reason))
 
     async def close(self) -> None:
         self.closed = True
