@@ -77,12 +77,16 @@ static inline void prefetch_step(const uint16_t *wk) {   /* the 2 KiB of W PREFE
     for (int line = 0; line < 2048; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
 }
 
-/* Up to 32 rows (two 16-row blocks) x 32 columns: each W tile serves both row blocks. */
-static void wide(const uint16_t *const *xb, int64_t xs, int blocks, const uint16_t *wb, int KB, float *acc) {
+static inline void zero_accumulators(void) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
+}
+
+/* Up to 32 rows (two 16-row blocks) x 32 columns: each W tile serves both row blocks. */
+static void wide(const uint16_t *const *xb, int64_t xs, int blocks, const uint16_t *wb, int KB, float *acc) {
+    zero_accumulators();
     for (int kb = 0; kb < KB; kb++) {
         const uint16_t *wk = wb + (int64_t)kb * 1024;
         prefetch_step(wk);
@@ -107,10 +111,7 @@ static void wide(const uint16_t *const *xb, int64_t xs, int blocks, const uint16
  * tile serves all four row blocks, so W is read from memory once. The pass over t = 0
  * prefetches both tiles of each step; the pass over t = 1 finds its tiles in L2. */
 static void tall(const uint16_t *const *xb, int64_t xs, int blocks, const uint16_t *wb, int KB, int t, float *acc) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    zero_accumulators();
     for (int kb = 0; kb < KB; kb++) {
         const uint16_t *wk = wb + (int64_t)kb * 1024;
         if (t == 0) prefetch_step(wk);
