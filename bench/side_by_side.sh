@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Tessera against the servers a user would otherwise pick, on this machine, one server at a
 # time, the same client (`tessera bench serve`) and workload: 64 prompts x 128 in / 128 out all
-# at once, then 8 prompts one at a time; greedy, ignore_eos, bf16 weights of SmolLM2-135M.
+# at once, then 8 prompts one at a time; greedy, ignore_eos, weights of SmolLM2-135M in $DTYPE
+# (default bfloat16; float32 where the CPU has no native bf16).
 #   bash bench/side_by_side.sh [tessera|tessera-vllm|vllm|transformers]...   (default: all four)
 # Results: $OUT/<server>-{64,c1}.json (default OUT=/tmp/side_by_side). Needs `make setup-dev`;
 # tessera-vllm and vllm need `make setup-vllm`; vllm uses ../shared/peers/vllm_cli.py (vLLM's
@@ -9,6 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/side_by_side}
+DTYPE=${DTYPE:-bfloat16}
 T=.venv/bin/tessera
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1
@@ -33,7 +35,7 @@ bench() {     # name port (the model: the first one the server lists)
 }
 
 run_tessera() {
-  setsid $T serve --dtype bfloat16 --port 8100 > "$OUT/tessera.log" 2>&1 & local pid=$!
+  setsid $T serve --dtype "$DTYPE" --port 8100 > "$OUT/tessera.log" 2>&1 & local pid=$!
   wait_up 8100 && bench tessera 8100
   stop $pid
 }
@@ -42,7 +44,7 @@ run_tessera_vllm() {   # the gateway in front of one vLLM-engine worker holding 
   cat > "$OUT/vllm-engine.yaml" <<YAML
 name: vllm-engine
 model: smollm2
-dtype: bfloat16
+dtype: $DTYPE
 roles:
   redis: {port: 6379}
   worker: {engine: vllm, replicas: 1, port: 50151, threads: 2, max_num_seqs: 64}
@@ -58,14 +60,14 @@ run_vllm() {           # vLLM's own server on the same weights (HF directory wri
   model=$(.venv-vllm/bin/python -c "from tessera.vllm_backend.hf_export import hf_directory; print(hf_directory('smollm2'))")
   local cli=../shared/peers/vllm_cli.py
   VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2 VLLM_HOST_IP=127.0.0.1 \
-    setsid .venv-vllm/bin/python "$cli" serve "$model" --dtype bfloat16 --host 127.0.0.1 --port 8102 \
+    setsid .venv-vllm/bin/python "$cli" serve "$model" --dtype "$DTYPE" --host 127.0.0.1 --port 8102 \
     --max-model-len 1024 --served-model-name smollm2 > "$OUT/vllm.log" 2>&1 & local pid=$!
   wait_up 8102 && bench vllm 8102
   stop $pid
 }
 
 run_transformers() {   # in-process generate on the same dense weights, no HTTP
-  $T bench engine --batch-sizes "" --hf-reference 1,64 --hf-dtype bfloat16 --input-len 128 \
+  $T bench engine --batch-sizes "" --hf-reference 1,64 --hf-dtype "$DTYPE" --input-len 128 \
       --output-len 128 --json > "$OUT/transformers.json"
   echo "transformers: $(tr -d '\n ' < "$OUT/transformers.json")"
 }

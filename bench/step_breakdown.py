@@ -1,6 +1,6 @@
 """Where a decode step's time goes, at a batch size: the engine's pieces wrapped in wall-clock
 timers (on the CPU nothing runs asynchronously, so a timer around a call is its cost).
-    .venv/bin/python bench/step_breakdown.py 64      # bfloat16, 2 threads, context ~190
+    .venv/bin/python bench/step_breakdown.py 64 [float32]   # bfloat16 unless given; 2 threads, context ~190
 """
 import sys, time, collections, torch
 from tessera.config import EngineConfig, SamplingParams
@@ -19,7 +19,8 @@ import tessera_kernels.paged_attention_cpu as PA
 PA.paged_decode_attention = timed("  of which the decode kernel itself", PA.paged_decode_attention)
 MR.build_forward_batch = timed("batch tensors (build_forward_batch)", MR.build_forward_batch)
 B = int(sys.argv[1])
-e = Engine(EngineConfig(dtype="bfloat16", num_threads=2))
+DTYPE = sys.argv[2] if len(sys.argv) > 2 else "bfloat16"
+e = Engine(EngineConfig(dtype=DTYPE, num_threads=2))
 g = torch.Generator().manual_seed(B)
 for p in torch.randint(100, 40000, (B, 128), generator=g).tolist():
     e.add_request(p, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
@@ -28,7 +29,7 @@ for _ in range(64): e.step()      # contexts ~ 128 + 64: the middle of a 128/128
 acc.clear(); n = 20; t = time.perf_counter()
 for _ in range(n): e.step()
 total = (time.perf_counter() - t) / n
-print(f"batch {B}: decode step {total*1e3:.1f} ms")
+print(f"batch {B}, {DTYPE}: decode step {total*1e3:.1f} ms")
 for k, v in acc.most_common():
     print(f"  {k}: {v/n*1e3:.1f} ms ({v/n/total:.0%})")
 rest = total - sum(v for k, v in acc.items() if not k.startswith(" ")) / n

@@ -209,3 +209,96 @@ def test_session_messages_stay_under_the_size_cap(monkeypatch):
     messages = worker._messages(updates)
     assert [u.request_id for m in messages for u in m.updates] == [u.request_id for u in updates]
     assert len(messages) > 1 and all(m.ByteSize() <= 1000 + 400 for m in messages)
+
+
+def test_a_worker_without_session_is_served_over_generate():
+    """A worker of an older version has no Session RPC (the server answers UNIMPLEMENTED): the
+    gateway's client falls back to one Generate stream per request, errors included, and stays
+    on it."""
+    import asyncio
+
+    from tessera.config import SamplingParams
+    from tessera.entrypoints.worker import WorkerServicer
+    from tessera.rpc.client import GrpcWorkerClient
+    from tessera.worker_api import GenerateChunk, GenerateInput, InvalidRequest
+
+    class Engine:
+        async def generate(self, req):
+            if req.request_id == "bad":
+                raise InvalidRequest("max_tokens must be at least 1", "max_tokens")
+            for i in range(3):
+                yield GenerateChunk(f"{req.request_id}.{i}", (i,), finish_reason="length" if i == 2 else None,
+                                    completion_tokens=i + 1)
+
+    servicer = WorkerServicer(Engine())
+    only_generate = grpc.method_handlers_generic_handler("tessera.rpc.v1.Worker", {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=worker_pb2.GenerateRequest.FromString,
+            response_serializer=worker_pb2.GenerateResponse.SerializeToString)})
+
+    async def text(client, rid):
+        req = GenerateInput(request_id=rid, sampling=SamplingParams(max_tokens=3), token_ids=(1, 2))
+        return "".join([c.text async for c in client.generate(req)])
+
+    async def run():
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((only_generate,))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        client = GrpcWorkerClient(f"127.0.0.1:{port}")
+        try:
+            first = await asyncio.gather(*(text(client, f"r{i}") for i in range(3)))
+            with pytest.raises(InvalidRequest) as bad:
+                await text(client, "bad")
+            return first, await text(client, "later"), bad.value.param, client._no_session
+        finally:
+            await client.close()
+            await server.stop(None)
+    first, later, param, fell_back = asyncio.run(asyncio.wait_for(run(), 30))
+    assert first == [f"r{i}.0r{i}.1r{i}.2" for i in range(3)] and later == "later.0later.1later.2"
+    assert param == "max_tokens" and fell_back
+
+
+def test_a_silent_session_is_abandoned_and_the_next_request_opens_a_new_one():
+    """A worker whose session stream hangs (connected, sends nothing): each open request ends
+    Unavailable after the idle timeout (the gateway fails it over), the session is given up,
+    and the next request does not queue behind the dead stream."""
+    import asyncio
+
+    from tessera.config import SamplingParams
+    from tessera.rpc.client import GrpcWorkerClient
+    from tessera.worker_api import GenerateInput, Unavailable
+
+    sessions = []
+
+    class Hung(worker_pb2_grpc.WorkerServicer):
+        async def Session(self, request_iterator, context):
+            sessions.append(context)
+            async for _ in request_iterator:
+                pass
+            yield worker_pb2.SessionResponse()
+
+    async def run():
+        server = grpc.aio.server()
+        worker_pb2_grpc.add_WorkerServicer_to_server(Hung(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        client = GrpcWorkerClient(f"127.0.0.1:{port}", idle_timeout_s=1.0)
+
+        async def one(rid):
+            req = GenerateInput(request_id=rid, sampling=SamplingParams(max_tokens=3), token_ids=(1,))
+            try:
+                return [c async for c in client.generate(req)]
+            except Unavailable as e:
+                return str(e)
+        try:
+            first = await asyncio.gather(*(one(f"r{i}") for i in range(3)))
+            abandoned = client._session.closed
+            second = await one("next")
+            return first, abandoned, second, len(sessions)
+        finally:
+            await client.close()
+            await server.stop(None)
+    first, abandoned, second, opened = asyncio.run(asyncio.wait_for(run(), 30))
+    assert all("sent nothing" in r for r in first) and "sent nothing" in second
+    assert abandoned and opened == 2

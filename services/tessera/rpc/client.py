@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import AsyncIterator
 
 import grpc
@@ -23,6 +24,7 @@ class GrpcWorkerClient:
         self._channel: grpc.aio.Channel | None = None
         self._stub_obj: worker_pb2_grpc.WorkerStub | None = None
         self._session: _Session | None = None
+        self._no_session = False   # the worker predates Session: every generation uses Generate
 
     @property
     def _stub(self) -> worker_pb2_grpc.WorkerStub:
@@ -34,17 +36,34 @@ class GrpcWorkerClient:
 
     async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateChunk]:
         """One generation over this client's session (worker.proto's Session): the worker sends
-        one message per engine step for all of them, not one per request."""
-        session = self._session_now()
+        one message per engine step for all of them, not one per request. A worker of an older
+        version has no Session; when a session fails with an error of no known kind before the
+        worker said anything, and the worker turns out to lack it, this client uses one Generate
+        stream per request, as those workers expect."""
+        if not self._no_session:
+            session = self._session_now()
+            try:
+                async for chunk in self._over_session(session, request):
+                    yield chunk
+                return
+            except WorkerError as e:   # UNIMPLEMENTED, or INTERNAL (see _lacks_session): no known kind
+                if type(e) is not WorkerError or session.answered or not await self._lacks_session():
+                    raise
+                self._no_session = True
+        async for chunk in self._over_generate(request):
+            yield chunk
+
+    async def _over_session(self, session: _Session, request: GenerateInput) -> AsyncIterator[GenerateChunk]:
         q = session.start(request, logs.request_id.get() or request.request_id)
         finished = False
         try:
-            while not finished:    # no deadline on the whole stream: a bound on the wait for each message
-                try:               # asyncio.timeout, not wait_for: on Python 3.11 wait_for makes a task per message
-                    async with asyncio.timeout(self.idle_timeout_s):
-                        item = await q.get()
-                except TimeoutError:
-                    raise Unavailable(f"worker {self.address} sent nothing for {self.idle_timeout_s:.0f} s") from None
+            while not finished:
+                try:
+                    item = await self._next(q.get())
+                except Unavailable:
+                    if session.silent_s() >= self.idle_timeout_s:
+                        session.abandon()   # a hung stream: its other requests fail over too, the next opens a new one
+                    raise
                 if isinstance(item, WorkerError):
                     finished = True
                     raise item
@@ -52,6 +71,38 @@ class GrpcWorkerClient:
                 yield item
         finally:
             session.end(request.request_id, abort=not finished)
+
+    async def _lacks_session(self) -> bool:
+        """Asked on a session of its own that sends nothing (a worker with Session ends it at
+        once). The failed session's status cannot tell: gRPC reports a stream whose server
+        answered UNIMPLEMENTED while requests were still being written as INTERNAL."""
+        try:
+            async for _ in self._stub.Session(iter(()), timeout=5, metadata=cluster_auth.metadata()):
+                pass
+        except grpc.aio.AioRpcError as e:
+            return e.code() == grpc.StatusCode.UNIMPLEMENTED
+        return False
+
+    async def _over_generate(self, request: GenerateInput) -> AsyncIterator[GenerateChunk]:
+        request_id = ("x-request-id", logs.request_id.get() or request.request_id)
+        call = self._stub.Generate(convert.generate_request_to_proto(request),
+                                   metadata=cluster_auth.metadata(request_id))
+        try:
+            while (msg := await self._next(call.read())) is not grpc.aio.EOF:
+                yield convert.chunk_from_proto(msg)
+        except grpc.aio.AioRpcError as e:
+            raise convert.error_from_status(e.code(), e.details()) from None
+        finally:
+            call.cancel()  # no-op when finished; aborts the request in the worker otherwise
+
+    async def _next(self, message):
+        """No deadline on a whole stream: a bound on the wait for each message (asyncio.timeout,
+        not wait_for: on Python 3.11 wait_for makes a task per message)."""
+        try:
+            async with asyncio.timeout(self.idle_timeout_s):
+                return await message
+        except TimeoutError:
+            raise Unavailable(f"worker {self.address} sent nothing for {self.idle_timeout_s:.0f} s") from None
 
     def _session_now(self) -> _Session:
         if self._session is None or self._session.closed:
@@ -87,6 +138,8 @@ class _Session:
 
     def __init__(self, stub: worker_pb2_grpc.WorkerStub, address: str) -> None:
         self.address, self.closed = address, False
+        self.answered = False   # the worker has sent a message
+        self._last_message = time.monotonic()
         self._outgoing: asyncio.Queue = asyncio.Queue()
         self._open: dict[str, asyncio.Queue] = {}
         self._call = stub.Session(self._requests(), metadata=cluster_auth.metadata())
@@ -114,6 +167,7 @@ class _Session:
         status, reason = None, f"worker {self.address} ended the session"
         try:
             async for msg in self._call:
+                self.answered, self._last_message = True, time.monotonic()
                 for u in msg.updates:
                     q = self._open.get(u.request_id)
                     if q is None:
@@ -131,6 +185,15 @@ class _Session:
             self.closed = True
             for q in self._open.values():   # an exception of its own for each request
                 q.put_nowait(convert.error_from_status(*status) if status else Unavailable(reason))
+
+    def silent_s(self) -> float:
+        """Seconds since the worker last sent anything on this session."""
+        return time.monotonic() - self._last_message
+
+    def abandon(self) -> None:
+        """Give up on the stream: the reader ends and fails every open request (Unavailable)."""
+        self.closed = True
+        self._call.cancel()
 
     async def close(self) -> None:
         self.closed = True
