@@ -1,1 +1,2 @@
-"""gRPC plumbing: convert.py (the only protobuf <-> dataclass mapping) and client.py."""
+"""gRPC plumbing: convert.py (the only protobuf <-> dataclass mapping), the clients, and
+options.py (their channel options)."""

@@ -8,11 +8,9 @@ from typing import AsyncIterator
 import grpc
 
 from tessera import cluster_auth, logs
-from tessera.rpc import convert
+from tessera.rpc import convert, options
 from tessera.rpc.v1 import worker_pb2, worker_pb2_grpc
 from tessera.worker_api import GenerateChunk, GenerateInput, InvalidRequest, Unavailable, WorkerError, WorkerInfo
-
-_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
 
 class GrpcWorkerClient:
@@ -30,7 +28,7 @@ class GrpcWorkerClient:
     def _stub(self) -> worker_pb2_grpc.WorkerStub:
         """Created on first use, inside the event loop that will drive it (grpc.aio binds to it)."""
         if self._stub_obj is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=_OPTIONS)
+            self._channel = grpc.aio.insecure_channel(self.address, options=options.LARGE_MESSAGES + options.RECONNECT)
             self._stub_obj = worker_pb2_grpc.WorkerStub(self._channel)
         return self._stub_obj
 

@@ -19,13 +19,10 @@ import grpc
 
 from tessera import cluster_auth
 from tessera.draft_api import DraftInfo, DraftRound
-from tessera.rpc import convert
+from tessera.rpc import convert, options
 from tessera.rpc.v1 import draft_pb2, draft_pb2_grpc
 from tessera.spec.tree import Draft
 
-# Reconnect quickly once the draft worker is back (gRPC's default backoff grows to 120 s).
-_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-            ("grpc.max_reconnect_backoff_ms", 1000)]
 # The draft worker answered and refused this round: only this request is out of step.
 _REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
 
@@ -41,7 +38,7 @@ class DraftClient:
         model with another tokenizer must not reach the target's embedding)."""
         self.address, self.timeout_s = address, timeout_s
         self.backoff_s, self.max_backoff_s, self.vocab_size = backoff_s, max_backoff_s, vocab_size
-        self._channel = grpc.insecure_channel(address, options=_OPTIONS)
+        self._channel = grpc.insecure_channel(address, options=options.RECONNECT)
         self._stub = draft_pb2_grpc.DraftWorkerStub(self._channel)
         self._held: dict[str, int] = {}          # request id -> tokens the draft worker holds
         self._rounds = itertools.count(1)        # one counter: rounds increase per request, across resets

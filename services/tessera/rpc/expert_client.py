@@ -6,14 +6,14 @@ import grpc
 
 from tessera import cluster_auth
 from tessera.disagg.control import ConnectReply, ConnectRequest, ExpertInfo
-from tessera.rpc import convert
+from tessera.rpc import convert, options
 from tessera.rpc.v1 import expert_pb2, expert_pb2_grpc
 
 
 class GrpcExpertControl:
     def __init__(self, address: str, timeout_s: float = 10.0) -> None:
         self.address, self.timeout_s = address, timeout_s
-        self._channel = grpc.insecure_channel(address)
+        self._channel = grpc.insecure_channel(address, options=options.RECONNECT)
         self._stub = expert_pb2_grpc.ExpertNodeStub(self._channel)
 
     def connect(self, request: ConnectRequest) -> ConnectReply:

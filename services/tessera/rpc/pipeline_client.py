@@ -6,14 +6,14 @@ import grpc
 
 from tessera import cluster_auth
 from tessera.pipeline.control import StageInfo, StageLink, StageReply
-from tessera.rpc import convert
+from tessera.rpc import convert, options
 from tessera.rpc.v1 import pipeline_pb2, pipeline_pb2_grpc
 
 
 class GrpcStageControl:
     def __init__(self, address: str, timeout_s: float = 10.0) -> None:
         self.address, self.timeout_s = address, timeout_s
-        self._channel = grpc.insecure_channel(address)
+        self._channel = grpc.insecure_channel(address, options=options.RECONNECT)
         self._stub = pipeline_pb2_grpc.PipelineShardStub(self._channel)
 
     def connect(self, link: StageLink) -> StageReply:
