@@ -11,8 +11,8 @@ after one untimed batch (warm-up), --reps times (median), as B prompts to their 
 The same is done at the --heldout workloads, which no plan was made for: "workloads" holds
 predicted against measured for each. Rows {"plan", "measured_tok_s", "predicted_tok_s",
 "perplexity", "workloads", ...}; perplexity is held-out (pipeline/quality.py) with the plan's
-per-layer bits; "calibrated_s" adds overheads per prefill and per decode step (each a line in
-the batch size) fitted on --calibrate-on's runs, and "calibrated_error_pct" is that prediction's error on the other plans
+per-layer bits; "calibrated_s" adds one overhead per prefill and per decode step fitted on
+--calibrate-on's runs, and "calibrated_error_pct" is that prediction's error on the other plans
 (see calibrate). "profiled_s" / "profiled_error_pct" do the same with the overheads measured
 first on two reference deployments that are none of the plans (one stage and two equal stages,
 every layer at 16 bits: `reference`), a + h·(stages − 1) per prefill and per decode step
@@ -194,8 +194,8 @@ def calibrate(rows: list[dict], on: str, key: str = "calibrated") -> dict | None
     """The planner sums layer and link times; a served batch also pays the scheduler, sampler,
     detokenizer, gRPC and HTTP, and its stages share the machine's cores with them. Fit that on
     the `on` row's workloads, then predict every OTHER row's workloads with it (their errors
-    are the cost model's end-to-end errors with the overheads measured elsewhere): per prefill
-    and per decode step, a line in the batch size (see overheads).
+    are the cost model's end-to-end errors with the overheads measured elsewhere): one overhead
+    per prefill (per batch) and one per decode step, each the mean of the `on` row's residuals.
     Written as KEY_s and KEY_error_pct (and by phase) beside each workload.
     (An affine prefill a + c · predicted, used while stage 0 still split a batch's prefill by
     arrival, came out at c = 0.97 and 1.07 in two runs, with a = 48 and 13 ms: the one plan's
@@ -203,11 +203,12 @@ def calibrate(rows: list[dict], on: str, key: str = "calibrated") -> dict | None
     base = next((r for r in rows if r["plan"] == on and r.get("workloads")), None)
     if base is None:
         return None
-    prefill, step = overheads(base)
+    fixed, step = overheads(base)
     for r in rows:
         if r["plan"] != on:
-            _apply(r, key, prefill, step)
-    return {"plan": on, **_ms("prefill_overhead", prefill), **_ms("overhead_per_decode_step", step)}
+            _apply(r, key, fixed, step)
+    return {"plan": on, "prefill_overhead_ms": round(1000 * fixed, 2),
+            "overhead_per_decode_step_ms": round(1000 * step, 2)}
 
 
 def reference(plans: dict, cluster, cost, work, stages: int = 1) -> tuple:
@@ -234,63 +235,35 @@ def reference(plans: dict, cluster, cost, work, stages: int = 1) -> tuple:
     return replace(plan, prefill_s=ev.prefill_s, decode_s=ev.decode_s), devices, ring
 
 
-Line = tuple[float, float]   # seconds a + per_request · B
-
-
-def overheads(row: dict) -> tuple[Line, Line]:
-    """A measured row's residuals (measured − predicted) as a line in the batch size B, per
-    prefill and per decode step: least squares over its workloads (the mean, and no slope, when
-    they share one B). The slope is what each request adds that the layer times miss: its
-    sampling, detokenizing, its update in the gRPC messages and its HTTP stream (on the AMX
-    machine a constant left every plan's B = 4 workload 10–22 % over)."""
+def overheads(row: dict) -> tuple[float, float]:
+    """The mean residual of a measured row: seconds per prefill, seconds per decode step."""
     ws = row["workloads"]
-    prefill = [(w["batch"], w["measured_prefill_s"] - w["predicted_prefill_s"]) for w in ws]
-    step = [(w["batch"], (w["measured_decode_s"] - w["predicted_decode_s"]) / max(1, w["gen_len"] - 1)) for w in ws]
-    return _line(prefill), _line(step)
-
-
-def _line(points: list[tuple[int, float]]) -> Line:
-    xs = [x for x, _ in points]
-    mean_y = statistics.mean(y for _, y in points)
-    if len(set(xs)) < 2:
-        return mean_y, 0.0
-    slope, intercept = statistics.linear_regression(xs, [y for _, y in points])
-    return intercept, slope
-
-
-def _at(line: Line, batch: int) -> float:
-    return line[0] + line[1] * batch
-
-
-def _ms(name: str, line: Line) -> dict:
-    return {f"{name}_ms": round(1000 * line[0], 2), f"{name}_per_request_ms": round(1000 * line[1], 3)}
+    return (statistics.mean(w["measured_prefill_s"] - w["predicted_prefill_s"] for w in ws),
+            statistics.mean((w["measured_decode_s"] - w["predicted_decode_s"]) / max(1, w["gen_len"] - 1)
+                            for w in ws))
 
 
 def profiled(rows: list[dict], refs: list[dict], key: str = "profiled") -> dict | None:
     """Every plan predicted with overheads measured on the reference deployments alone: per
-    prefill and per decode step, a(B) + h(B)·(stages − 1), a from the one-stage reference and h
-    from what the two-stage one pays more (a second process's transport, gRPC and Python on the
-    same cores; with one reference, h = 0), each a line in the batch size (overheads). Written
-    as KEY_s and KEY_error_pct beside each workload."""
+    prefill and per decode step, a + h·(stages − 1), a from the one-stage reference and h from
+    what the two-stage one pays more (a second process's transport, gRPC and Python on the same
+    cores; with one reference, h = 0). Written as KEY_s and KEY_error_pct beside each workload."""
     by_stages = {r["stages"]: overheads(r) for r in refs if r.get("workloads")}
     if 1 not in by_stages:
         return None
     (p1, d1), (p2, d2) = by_stages[1], by_stages.get(2, by_stages[1])
-    hop_p = (p2[0] - p1[0], p2[1] - p1[1])
-    hop_d = (d2[0] - d1[0], d2[1] - d1[1])
     for r in rows:
         hops = r.get("stages", 1) - 1
-        _apply(r, key, (p1[0] + hops * hop_p[0], p1[1] + hops * hop_p[1]),
-               (d1[0] + hops * hop_d[0], d1[1] + hops * hop_d[1]))
-    return {**_ms("prefill_overhead", p1), **_ms("prefill_per_hop", hop_p),
-            **_ms("overhead_per_decode_step", d1), **_ms("decode_step_per_hop", hop_d),
+        _apply(r, key, p1 + hops * (p2 - p1), d1 + hops * (d2 - d1))
+    return {"prefill_overhead_ms": round(1000 * p1, 2), "prefill_per_hop_ms": round(1000 * (p2 - p1), 2),
+            "overhead_per_decode_step_ms": round(1000 * d1, 2), "decode_step_per_hop_ms": round(1000 * (d2 - d1), 2),
             "reference_stages": sorted(by_stages)}
 
 
-def _apply(row: dict, key: str, prefill_overhead: Line, step_overhead: Line) -> None:
+def _apply(row: dict, key: str, prefill_overhead: float, step_overhead: float) -> None:
     for w in row.get("workloads", ()):
-        prefill = w["predicted_prefill_s"] + _at(prefill_overhead, w["batch"])
-        decode = w["predicted_decode_s"] + (w["gen_len"] - 1) * _at(step_overhead, w["batch"])
+        prefill = w["predicted_prefill_s"] + prefill_overhead
+        decode = w["predicted_decode_s"] + (w["gen_len"] - 1) * step_overhead
         w[f"{key}_s"] = round(prefill + decode, 4)
         w[f"{key}_error_pct"] = round(100 * (w[f"{key}_s"] / w["measured_s"] - 1), 1)
         w[f"{key}_prefill_error_pct"] = round(100 * (prefill / w["measured_prefill_s"] - 1), 1)
