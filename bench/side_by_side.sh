@@ -2,7 +2,9 @@
 # Tessera against the servers a user would otherwise pick, on this machine, one server at a
 # time, the same client (`tessera bench serve`) and workload: 64 prompts x 128 in / 128 out all
 # at once, then 8 prompts one at a time; greedy, ignore_eos, weights of SmolLM2-135M in $DTYPE
-# (default bfloat16; float32 where the CPU has no native bf16).
+# (default bfloat16; float32 where the CPU has no native bf16); QUANT=int4|int8 serves Tessera's
+# linears weight-only quantized (`tessera serve --quantization`, quantized at load from the same
+# weights); the other servers stay dense.
 #   bash bench/side_by_side.sh [tessera|tessera-vllm|vllm|transformers]...   (default: all four)
 # Results: $OUT/<server>-{64,c1}.json (default OUT=/tmp/side_by_side). Needs `make setup-dev`;
 # tessera-vllm and vllm need `make setup-vllm`; vllm uses ../shared/peers/vllm_cli.py (vLLM's
@@ -35,7 +37,7 @@ bench() {     # name port (the model: the first one the server lists)
 }
 
 run_tessera() {
-  setsid $T serve --dtype "$DTYPE" --port 8100 > "$OUT/tessera.log" 2>&1 & local pid=$!
+  setsid $T serve --dtype "$DTYPE" ${QUANT:+--quantization "$QUANT"} --port 8100 > "$OUT/tessera.log" 2>&1 & local pid=$!
   wait_up 8100 && bench tessera 8100
   stop $pid
 }

@@ -116,6 +116,56 @@ def test_rope_bf16_in_place_equals_torch(T, heads, D):
     assert torch.equal(qkv[:, heads * D:], tail)
 
 
+_f32_kernels = pytest.mark.skipif(elementwise_cpu._library(torch.float32) is None,
+                                  reason="no C compiler for the CPU kernel")
+
+
+def _within_float32_rounding(out: torch.Tensor, exact: torch.Tensor, torch_out: torch.Tensor) -> bool:
+    """out as close to the float64 result as torch's own float32 result is, give or take a few
+    float32 roundings (another summation order, fused multiply-adds)."""
+    torch_err = (torch_out.double() - exact).abs().max()
+    return bool(((out.double() - exact).abs() <= 2 * torch_err + exact.abs() * 2.0 ** -21 + 1e-30).all())
+
+
+@_f32_kernels
+@pytest.mark.parametrize("T,N", [(1, 576), (7, 64), (64, 1536)])
+def test_rms_norm_float32_equals_the_torch_layer(T, N):
+    g = torch.Generator().manual_seed(T * N + 1)
+    x = (torch.randn(T, N + 32, generator=g) * 3)[:, 16:16 + N]       # rows read through a stride
+    w = torch.rand(N, generator=g) + 0.5
+    assert elementwise_cpu.applies(x, N)
+    out = elementwise_cpu.rms_norm(x, w, 1e-5)
+    exact = F.rms_norm(x.double(), (N,), w.double(), 1e-5)
+    assert out.dtype == torch.float32 and _within_float32_rounding(out, exact, F.rms_norm(x, (N,), w, 1e-5))
+
+
+@_f32_kernels
+@pytest.mark.parametrize("T,I", [(1, 1536), (5, 16), (64, 256)])
+def test_silu_mul_float32_equals_torch(T, I):
+    g = torch.Generator().manual_seed(T + I + 1)
+    gate_up = torch.randn(T, 2 * I, generator=g) * 6
+    gate_up[0, :4] = torch.tensor([0.0, -0.0, 90.0, -90.0])          # zero, and far into both tails
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = elementwise_cpu.silu_mul(gate_up)
+    exact = F.silu(gate.double()) * up.double()
+    assert out.dtype == torch.float32 and _within_float32_rounding(out, exact, F.silu(gate) * up)
+
+
+@_f32_kernels
+@pytest.mark.parametrize("T,heads,D", [(1, 12, 64), (9, 3, 128), (4, 1, 32)])
+def test_rope_float32_in_place_equals_torch(T, heads, D):
+    g = torch.Generator().manual_seed(T * heads + D + 1)
+    qkv = torch.randn(T, (heads + 2) * D, generator=g)
+    x = qkv[:, :heads * D].view(T, heads, D)
+    tail = qkv[:, heads * D:].clone()
+    cos, sin = torch.randn(T, 1, D, generator=g), torch.randn(T, 1, D, generator=g)
+    ref = x * cos + x.roll(D // 2, dims=-1) * sin
+    exact = x.double() * cos.double() + x.double().roll(D // 2, dims=-1) * sin.double()
+    out = elementwise_cpu.rope_(x, cos, sin)
+    assert out.data_ptr() == qkv.data_ptr() and _within_float32_rounding(out, exact, ref)
+    assert torch.equal(qkv[:, heads * D:], tail)
+
+
 def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
     """The largest distance between a and b in bf16 steps (same-sign values)."""
     ai, bi = a.view(torch.int16).int(), b.view(torch.int16).int()
@@ -200,17 +250,18 @@ def test_gemv_q8_matches_reference(M):
 
 
 @pytest.mark.skipif(not gemv_quant_cpu.available(), reason="no C compiler for the CPU kernel")
-def test_the_quantized_gemvs_built_for_avx2_pass_the_same_tests(tmp_path):
-    """The other kind of machine (AVX2 only: the float path, no bf16 dot products), built here
-    with TESSERA_MARCH=haswell into its own cache."""
+def test_the_quantized_gemvs_and_float32_kernels_built_for_avx2_pass_the_same_tests(tmp_path):
+    """The other kind of machine (AVX2 only: the float path, no bf16 dot products; float32 is
+    its --dtype auto), built here with TESSERA_MARCH=haswell into its own cache."""
     import os
     import subprocess
     import sys
     env = {**os.environ, "TESSERA_MARCH": "haswell", "TESSERA_CACHE": str(tmp_path)}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                          "-k", "q4 or q8"], env=env, capture_output=True, text=True, timeout=600)
+                          "-k", "(q4 or q8 or float32) and not avx2"], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "passed" in run.stdout and list((tmp_path / "kernels").glob("gemv_quant-*.so"))
+    assert "passed" in run.stdout
+    assert list((tmp_path / "kernels").glob("gemv_quant-*.so")) and list((tmp_path / "kernels").glob("elementwise_f32-*.so"))
 
 
 @pytest.mark.parametrize("B,V", [(1, 49152), (5, 77), (3, 16), (2, 5)])

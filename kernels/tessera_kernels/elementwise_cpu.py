@@ -1,8 +1,9 @@
-"""The bf16 elementwise steps of a decoder layer (RMSNorm, SwiGLU's activation, RoPE) as one
-C pass each (csrc/elementwise_bf16.c) in place of the four or five torch ops the same math
-takes; at batch 64 on 2 cores the torch ops cost ~6 of a ~55 ms decode step. The torch
-form of each stays in its layer (layers/norm.py, mlp.py, rope.py), which uses it where
-`applies` says no; the tests compare the two.
+"""The elementwise steps of a decoder layer (RMSNorm, SwiGLU's activation, RoPE) as one C pass
+each, in bf16 (csrc/elementwise_bf16.c: torch's roundings) and float32 (csrc/elementwise_f32.c),
+in place of the four to ten torch ops the same math takes; at batch 64 on 2 cores the bf16 torch
+ops cost ~6 of a ~55 ms decode step, and torch's float32 RMSNorm ~90 µs a call on a slow CPU.
+The torch form of each stays in its layer (layers/norm.py, mlp.py, rope.py), which uses it
+where `applies` says no; the tests compare the two.
 """
 from __future__ import annotations
 
@@ -13,53 +14,60 @@ import torch
 
 from tessera_kernels import cbuild
 
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib = cbuild.load("elementwise_bf16")
+def _library(dtype: torch.dtype = torch.bfloat16) -> ctypes.CDLL | None:
+    lib = cbuild.load(f"elementwise_{_SUFFIX[dtype]}")
     if lib is not None:
         p, i64, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-        lib.rms_norm_bf16.argtypes = [p, i64, p, p, i64, i, i, f, i]
-        lib.silu_mul_bf16.argtypes = [p, i64, p, i, i, i]
-        lib.rope_bf16.argtypes = [p, i64, p, p, i, i, i, i]
-        for fn in (lib.rms_norm_bf16, lib.silu_mul_bf16, lib.rope_bf16):
-            fn.restype = None
+        s = _SUFFIX[dtype]
+        for name, args in ((f"rms_norm_{s}", [p, i64, p, p, i64, i, i, f, i]),
+                           (f"silu_mul_{s}", [p, i64, p, i, i, i]),
+                           (f"rope_{s}", [p, i64, p, p, i, i, i, i])):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, None
     return lib
 
 
+def _fn(x: torch.Tensor, name: str):
+    return getattr(_library(x.dtype), f"{name}_{_SUFFIX[x.dtype]}")
+
+
 def applies(x: torch.Tensor, width: int) -> bool:
-    """bf16 on the CPU, rows of `width` values, width a multiple of 16, at least one row,
-    each row contiguous, and the kernels built."""
-    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[0] > 0 and width % 16 == 0
-            and x.stride(-1) == 1 and _library() is not None)
+    """bf16 or float32 on the CPU, rows of `width` values, width a multiple of 16, at least
+    one row, each row contiguous, and the kernels built."""
+    return (x.dtype in _SUFFIX and x.device.type == "cpu" and x.shape[0] > 0 and width % 16 == 0
+            and x.stride(-1) == 1 and _library(x.dtype) is not None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, N] bf16 (rows contiguous), weight [N] bf16 -> [T, N]."""
+    """x [T, N] (rows contiguous), weight [N] of x's dtype -> [T, N]."""
     T, N = x.shape
-    assert weight.dtype == torch.bfloat16 and weight.shape == (N,) and weight.is_contiguous()
-    y = torch.empty(T, N, dtype=torch.bfloat16)
-    _library().rms_norm_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), y.data_ptr(), N, T, N, eps,
-                             torch.get_num_threads())
+    assert weight.dtype == x.dtype and weight.shape == (N,) and weight.is_contiguous()
+    y = torch.empty(T, N, dtype=x.dtype)
+    _fn(x, "rms_norm")(x.data_ptr(), x.stride(0), weight.data_ptr(), y.data_ptr(), N, T, N, eps,
+                       torch.get_num_threads())
     return y
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [T, 2I] bf16 (gate, then up, in each row) -> silu(gate) * up [T, I]."""
+    """gate_up [T, 2I] (gate, then up, in each row) -> silu(gate) * up [T, I]."""
     T, two_i = gate_up.shape
-    y = torch.empty(T, two_i // 2, dtype=torch.bfloat16)
-    _library().silu_mul_bf16(gate_up.data_ptr(), gate_up.stride(0), y.data_ptr(), T, two_i // 2,
+    y = torch.empty(T, two_i // 2, dtype=gate_up.dtype)
+    _fn(gate_up, "silu_mul")(gate_up.data_ptr(), gate_up.stride(0), y.data_ptr(), T, two_i // 2,
                              torch.get_num_threads())
     return y
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] bf16 rotated in place (heads contiguous within a token); cos and
-    signed_sin [T, 1, D] bf16, contiguous. D a multiple of 32."""
+    """x [T, heads, D] rotated in place (heads contiguous within a token); cos and signed_sin
+    [T, 1, D] of x's dtype, contiguous. D a multiple of 32."""
     T, heads, D = x.shape
     assert D % 32 == 0 and x.stride(2) == 1 and x.stride(1) == D
-    assert cos.dtype == signed_sin.dtype == torch.bfloat16 and cos.is_contiguous() and signed_sin.is_contiguous()
+    assert cos.dtype == signed_sin.dtype == x.dtype and cos.is_contiguous() and signed_sin.is_contiguous()
     assert cos.shape == signed_sin.shape == (T, 1, D)
-    _library().rope_bf16(x.data_ptr(), x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), T, heads, D,
-                         torch.get_num_threads())
+    _fn(x, "rope")(x.data_ptr(), x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), T, heads, D,
+                   torch.get_num_threads())
     return x

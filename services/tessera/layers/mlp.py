@@ -10,7 +10,8 @@ from tessera_kernels import elementwise_cpu
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for rows [gate | up]; bf16 rows on the CPU in one C pass (same roundings)."""
+    """silu(gate) * up for rows [gate | up]; bf16 and float32 rows on the CPU in one
+    C pass (bf16: the same roundings)."""
     if gate_up.dim() == 2 and not gate_up.requires_grad and elementwise_cpu.applies(gate_up, gate_up.shape[-1] // 2):
         return elementwise_cpu.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)

@@ -14,11 +14,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         if (x.dim() == 2 and self.weight.dtype == x.dtype and not self.weight.requires_grad
                 and elementwise_cpu.applies(x, x.shape[-1])):
-            return elementwise_cpu.rms_norm(x, self.weight, self.eps)   # the same roundings, one pass
+            return elementwise_cpu.rms_norm(x, self.weight, self.eps)   # one pass (bf16: the same roundings)
+        if x.dtype == torch.float32:
+            return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return rms_norm_low_precision(x, self.weight, self.eps)
 
 

@@ -33,8 +33,8 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, D] (query and key heads side by side) rotated by the per-token angles.
-    bf16 on the CPU is rotated in place by one C pass with the same roundings; callers use
-    the result, never x afterwards."""
+    bf16 and float32 on the CPU are rotated in place by one C pass (bf16: the same roundings);
+    callers use the result, never x afterwards."""
     D = x.shape[-1]
     if (D % 32 == 0 and x.stride(1) == D and not x.requires_grad and cos.dtype == x.dtype
             and cos.is_contiguous() and sin.is_contiguous() and elementwise_cpu.applies(x, D)):
