@@ -12,10 +12,21 @@ engine builds them; each run takes the next layer (layers share one shape), so i
 from memory as in a stage of many layers. One layer timed again and again keeps its weights in
 L2/L3: on Zen 5 its decode was 1.1-1.7x faster than the same layer in a 30-layer stack, by
 bit-width and batch (16-bit lost the most), which no per-step overhead can absorb for every plan.
+
+The devices this profile describes are cores of one machine (virtual devices: one process each,
+papers.md §4 "heterogeneity here"), and in a pipeline they all stream weights at once from the
+memory they share. So by default every point is timed with the machine's other cores busy as
+such devices: --neighbours processes (cores // threads - 1 of them), forked with the model at
+the same bit-width, run its decoder layers in a loop. Measured on Zen 5, one layer's decode at
+4 rows beside one such neighbour: 16-bit +14 %, 8-bit +1 %, 4-bit +3 %; plans that differ in
+their bits differ in this too, so a per-step overhead measured on a 16-bit reference cannot
+carry it.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing
 import os
 import pathlib
 import random
@@ -40,6 +51,9 @@ def add_args(p) -> None:
     p.add_argument("--bits", default="16,8,4", help="bit-widths to profile (16: unquantized)")
     p.add_argument("--group-size", type=int, default=32)
     p.add_argument("--reps", type=int, default=7, help="timed runs per prefill point (median); decode runs 3x")
+    p.add_argument("--neighbours", type=int, default=None,
+                   help="processes running layers beside the timed one (default: cores // threads - 1, "
+                        "the machine's other cores as devices of this type)")
 
 
 def step_batch(b: int, s: int, i: int, prefill: bool):
@@ -93,31 +107,80 @@ def time_prepost(model, b: int, s: int, reps: int) -> float:
     return statistics.median(samples[1:])
 
 
-def measure(model_at, bits: list[int], reps: int, log=print) -> dict:
+def _neighbour(model_name: str, bits: int, group_size: int, dtype: str, threads: int, ready) -> None:
+    """A busy device beside the timed one (a spawned process: OpenMP does not survive a fork): the
+    model at `bits` run through its decoder layers on a decode step of 4 rows, over and over,
+    until killed."""
+    import torch
+
+    from tessera.layers.quant import quantize_model
+    from tessera.models.driver import run_layers
+    from tessera.models.loader import load_model
+    torch.set_num_threads(threads)
+    model, cfg = load_model(model_name, getattr(torch, dtype))
+    quantize_model(model, [bits] * cfg.num_layers, group_size=group_size)
+    batch, slots = step_batch(4, 64, 32, False)
+    kv = [tuple(torch.zeros(cfg.num_kv_heads, slots, cfg.head_dim, dtype=getattr(torch, dtype)) for _ in range(2))
+          for _ in range(cfg.num_layers)]
+    x = torch.randn(batch.num_tokens, cfg.hidden_size, dtype=getattr(torch, dtype))
+    with torch.inference_mode():
+        run_layers(model, x, batch, kv, range(cfg.num_layers))
+        ready.set()
+        while True:
+            run_layers(model, x, batch, kv, range(cfg.num_layers))
+
+
+@contextlib.contextmanager
+def busy_neighbours(count: int, *args):
+    """`count` processes running _neighbour(*args), each past its first step when this yields."""
+    ctx = multiprocessing.get_context("spawn")
+    ready = [ctx.Event() for _ in range(count)]
+    procs = [ctx.Process(target=_neighbour, args=(*args, r), daemon=True) for r in ready]
+    for proc in procs:
+        proc.start()
+    try:
+        for proc, r in zip(procs, ready):
+            while not r.wait(1.0):
+                if not proc.is_alive():
+                    raise RuntimeError(f"a busy neighbour exited ({proc.exitcode}) before its first step")
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.join()
+
+
+def measure(model_at, bits: list[int], reps: int, log=print, neighbour=lambda bits: (0,)) -> dict:
     """Every profiled and held-out point: {phase: [{bits, b, s, i, seconds}]}; model_at(bits) is
-    the model with every layer at that bit-width."""
+    the model with every layer at that bit-width, timed beside busy_neighbours(*neighbour(bits))."""
     out: dict[str, list[dict]] = {"prefill": [], "decode": [], "held_prefill": [], "held_decode": []}
     order = random.Random(0)
     for bw in bits:
         model = model_at(bw)
-        # fitted and held-out points interleaved: a minute of the machine's drift then moves
-        # both alike instead of landing on the held-out points as a model error
-        for fit, held, prefill, runs in (("prefill", "held_prefill", True, reps), ("decode", "held_decode", False, 3 * reps)):
-            points = [(phase, p) for phase, sizes in ((fit, PREFILL if prefill else DECODE),
-                                                      (held, HELD_PREFILL if prefill else HELD_DECODE))
-                      for p in sizes]
-            order.shuffle(points)
-            for phase, (b, s, *rest) in points:
-                i = rest[0] if rest else 0
-                t = time_layer(model, b, s, i, prefill, runs)
-                out[phase].append({"bits": bw, "b": b, "s": s, "i": i, "seconds": t})
+        with busy_neighbours(*neighbour(bw)):
+            _measure_bits(model, bw, reps, order, out)
+            if bw == bits[-1]:       # the ends do not depend on the layers' bits
+                out["prepost_prefill"] = [{"b": b, "s": s, "i": 0, "seconds": time_prepost(model, b, s, reps)}
+                                          for b, s in PREPOST_PREFILL]
+                out["prepost_decode"] = [{"b": b, "s": 1, "i": 0, "seconds": time_prepost(model, b, 1, 3 * reps)}
+                                         for b in PREPOST_DECODE]
         log(f"bits {bw}: {len(PREFILL) + len(HELD_PREFILL)} prefill and {len(DECODE) + len(HELD_DECODE)} "
-            f"decode points timed")
-    out["prepost_prefill"] = [{"b": b, "s": s, "i": 0, "seconds": time_prepost(model, b, s, reps)}
-                              for b, s in PREPOST_PREFILL]
-    out["prepost_decode"] = [{"b": b, "s": 1, "i": 0, "seconds": time_prepost(model, b, 1, 3 * reps)}
-                             for b in PREPOST_DECODE]
+            f"decode points timed beside {neighbour(bw)[0]} busy neighbour(s)")
     return out
+
+
+def _measure_bits(model, bw: int, reps: int, order: random.Random, out: dict) -> None:
+    # fitted and held-out points interleaved: a minute of the machine's drift then moves
+    # both alike instead of landing on the held-out points as a model error
+    for fit, held, prefill, runs in (("prefill", "held_prefill", True, reps), ("decode", "held_decode", False, 3 * reps)):
+        points = [(phase, p) for phase, sizes in ((fit, PREFILL if prefill else DECODE),
+                                                  (held, HELD_PREFILL if prefill else HELD_DECODE))
+                  for p in sizes]
+        order.shuffle(points)
+        for phase, (b, s, *rest) in points:
+            i = rest[0] if rest else 0
+            t = time_layer(model, b, s, i, prefill, runs)
+            out[phase].append({"bits": bw, "b": b, "s": s, "i": i, "seconds": t})
 
 
 def fit_points(points: dict, bits: list[int], regimes: dict[int, tuple[tuple[int, int], ...]]) -> dict:
@@ -171,9 +234,13 @@ def main(a) -> int:
         model, cfg = load_model(a.model, dtype)
         quantize_model(model, [bw] * cfg.num_layers, group_size=a.group_size)
         return model
-    points = measure(model_at, bits, a.reps)
+    threads_left = len(os.sched_getaffinity(0)) - a.threads
+    neighbours = a.neighbours if getattr(a, "neighbours", None) is not None else max(0, threads_left // a.threads)
+    points = measure(model_at, bits, a.reps,
+                     neighbour=lambda bw: (neighbours, a.model, bw, a.group_size, PROFILE_DTYPE, a.threads))
     profile = {"kind": "tessera pq profile", "model": a.model, "dtype": str(dtype).removeprefix("torch."),
                "cpu": cpu_name(), "threads": a.threads, "cores_allowed": len(os.sched_getaffinity(0)),
+               "busy_neighbours": neighbours,
                "group_size": a.group_size, "bits": bits, "points": points,
                **fit_points(points, bits, {bw: decode_regimes(bw, dtype) for bw in bits})}
     profile["profile_s"] = round(time.perf_counter() - start, 1)
