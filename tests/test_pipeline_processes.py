@@ -27,6 +27,7 @@ MODEL = "random:llama:num_hidden_layers=4"
 BITS = [16, 8, 4, 16]
 STAGES = ["0:1", "1:3", "3:4"]
 PROMPTS = ["Count from one to ten.", "Name a colour."]
+SECRET = "test-pipeline-secret"     # tessera up's cluster secret, so this test can call the stages too
 
 
 def low_ports(n: int) -> int:
@@ -85,7 +86,7 @@ def pipeline(plan, tmp_path_factory):
         "gateway": {"port": port}}}
     topology = tmp_path_factory.mktemp("up") / "pipe.yaml"
     topology.write_text(yaml.safe_dump(spec))
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env = {**{k: v for k, v in os.environ.items() if k != "REDIS_URL"}, "TESSERA_CLUSTER_SECRET": SECRET}
     up = Logged("up", str(topology), "--restart-backoff-s", "0.2", "--shutdown-grace-s", "5", env=env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -116,7 +117,7 @@ def _registered(up: Logged) -> dict[str, str]:
     return asyncio.run(roles())
 
 
-def test_up_pipeline_answers_like_one_serve_process(pipeline, expected):
+def test_up_pipeline_answers_like_one_serve_process(pipeline, expected, monkeypatch):
     up, url = pipeline
     assert [chat(url, p) for p in PROMPTS] == expected
     wait_until(lambda: len(_registered(up)) == len(STAGES), 30, "the stages never registered")
@@ -124,6 +125,10 @@ def test_up_pipeline_answers_like_one_serve_process(pipeline, expected):
     workers = [line for line in httpx.get(url + "/metrics").text.splitlines()
                if line.startswith("tessera_gateway_workers{")]
     assert workers and float(workers[0].split()[-1]) == 1, workers   # stage 0 only
+    # every stage reports the time it spent in its own layers (bench pq compares it per stage)
+    from tessera.bench.pq_bench import stage_compute_s
+    monkeypatch.setenv("TESSERA_CLUSTER_SECRET", SECRET)       # the stages' internal calls need it
+    assert all(t > 0 for t in stage_compute_s(int(url.rsplit(":", 1)[1]), len(STAGES)))
 
 
 def test_a_stage_killed_mid_stream_fails_the_stream_then_the_pipeline_recovers(pipeline, expected):

@@ -338,6 +338,23 @@ def test_predict_costs_a_plan_at_workloads_it_was_not_made_for():
         work, batch=1)).pre))
 
 
+def test_stage_seconds_are_each_stages_micro_batches_over_the_workload():
+    """One stage does all the work, so its time is the whole prediction; with more stages each
+    stage's time is its prefill micro-batches and decode micro-batches, so the slowest stage
+    bounds the pipelined whole from below and the stages' sum bounds it from above."""
+    from tessera.pipeline.planner import predict, stage_seconds
+    cluster, cost, work = small_case()
+    plan = plan_method("llm-pq", cluster, cost, work)
+    assert len(plan.stages) > 1
+    for w in (work, dataclasses.replace(work, batch=plan.xi + 1)):
+        ev, per_stage = predict(plan, cluster, cost, w), stage_seconds(plan, cluster, cost, w)
+        assert len(per_stage) == len(plan.stages)
+        assert max(per_stage) <= ev.prefill_s + ev.decode_s <= sum(per_stage) * (1 + 1e-9)
+    one = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], start=0, end=plan.stages[-1].end),))
+    ev = predict(one, cluster, cost, work)
+    assert stage_seconds(one, cluster, cost, work) == pytest.approx((ev.prefill_s + ev.decode_s,))
+
+
 @pytest.mark.parametrize("stages", [1, 2])
 def test_bench_pq_reference_deployments_are_dense_stages_that_run(tmp_path, stages):
     """The deployments bench pq measures the overheads on: every layer at 16 bits in one or two

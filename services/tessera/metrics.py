@@ -45,6 +45,9 @@ class WorkerCollector:
         yield from _counters("tessera_worker_prefix_cache", labels, values, (
             ("queries", "Tokens looked up in the prefix cache at admission", info.prefix_cache_queries),
             ("hits", "Tokens the prefix cache had (hit rate = hits / queries)", info.prefix_cache_hits)))
+        yield from _counters("tessera_worker_stage", labels, values, (
+            ("compute_seconds", "A pipeline's first stage: time in its own layers (0 on other workers; later "
+                                "stages: tessera_pipeline_shard_compute_seconds)", info.stage_compute_s),))
 
 
 def _counters(prefix: str, labels: list[str], values: list[str], rows):

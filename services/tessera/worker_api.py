@@ -73,6 +73,7 @@ class WorkerInfo:
     spec_emitted_tokens: int = 0     # and tokens the rounds emitted (acceptance length = emitted / rounds)
     prefix_cache_queries: int = 0    # since start, in tokens: looked up in the prefix cache at admission,
     prefix_cache_hits: int = 0       # and found there
+    stage_compute_s: float = 0.0     # a pipeline's first stage: seconds in its own layers since start
 
 
 class WorkerError(Exception):

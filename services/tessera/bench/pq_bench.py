@@ -16,17 +16,22 @@ per-layer bits; "calibrated_s" adds one overhead per prefill and per decode step
 (see calibrate). "profiled_s" / "profiled_error_pct" do the same with the overheads measured
 first on two reference deployments that are none of the plans (one stage and two equal stages,
 every layer at 16 bits: `reference`), a + h·(stages − 1) per prefill and per decode step
-(`profiled`), so every plan is predicted before any of them has run. A plan whose stage
-refuses to start (its memory budget) or whose run fails is a row with its error.
+(`profiled`), so every plan is predicted before any of them has run. Each workload also holds
+"stages": every stage's time in its own layers during the whole batch (its compute seconds, read
+from the stage before and after) against the model's per-stage prediction, with no overhead
+added ("stage_error_pct" in the summary). A plan whose stage refuses to start (its memory budget)
+or whose run fails is a row with its error.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
 import os
 import pathlib
 import re
+import secrets
 import signal
 import statistics
 import subprocess
@@ -36,6 +41,8 @@ import time
 
 import httpx
 import yaml
+
+from tessera import cluster_auth
 
 TESSERA = [sys.executable, "-m", "tessera.cli"]
 REFERENCE = "reference"
@@ -84,12 +91,36 @@ def run_batch(req: pathlib.Path, out: pathlib.Path, a: argparse.Namespace) -> fl
     return float(match.group(1))
 
 
+def stage_compute_s(port: int, stages: int) -> list[float]:
+    """Seconds each stage of the pipeline behind the gateway on `port` has spent in its own
+    layers since it started (plan_topology puts stage j on port + 1 + j): stage 0, a worker,
+    from its Info, the later stages from StageInfo."""
+    from tessera.rpc.client import GrpcWorkerClient
+    from tessera.rpc.pipeline_client import GrpcStageControl
+
+    async def first() -> float:
+        client = GrpcWorkerClient(f"127.0.0.1:{port + 1}")
+        try:
+            return (await client.info()).stage_compute_s
+        finally:
+            await client.close()
+    out = [asyncio.run(first())]
+    for j in range(1, stages):
+        control = GrpcStageControl(f"127.0.0.1:{port + 1 + j}")
+        try:
+            out.append(control.info().compute_s)
+        finally:
+            control.close()
+    return out
+
+
 def run_plan(topo_file: pathlib.Path, workloads: list[tuple[int, int, int]], a: argparse.Namespace, vocab: int,
-             model_id: str) -> dict[tuple[int, int, int], tuple[float, float]]:
+             model_id: str, stages: int) -> dict[tuple[int, int, int], tuple[float, float, tuple[float, ...]]]:
     """Per workload (B, s, n): the median seconds of (B prompts to their first token, the whole
-    batch) over --reps runs, against `tessera up topo_file` (started and stopped here). The
-    first workload runs once untimed before anything is measured: a served stack's first
-    batch pays one-off costs (oneDNN's weight reorders, the KV cache's first touch)."""
+    batch, each stage's compute during the whole batch) over --reps runs, against `tessera up
+    topo_file` (started and stopped here). The first workload runs once untimed before anything
+    is measured: a served stack's first batch pays one-off costs (oneDNN's weight reorders, the
+    KV cache's first touch)."""
     log = topo_file.with_suffix(".log").open("w")
     up = subprocess.Popen([*TESSERA, "up", str(topo_file)], stdout=log, stderr=subprocess.STDOUT,
                           start_new_session=True)
@@ -99,14 +130,20 @@ def run_plan(topo_file: pathlib.Path, workloads: list[tuple[int, int, int]], a: 
     def timed(w: tuple[int, int, int]) -> float:
         requests_file(req, w, vocab, model_id, next(runs))
         return run_batch(req, out, a)
+
+    def timed_stages(w: tuple[int, int, int]) -> tuple[float, list[float]]:
+        before = stage_compute_s(a.port, stages)
+        seconds = timed(w)
+        return seconds, [t1 - t0 for t0, t1 in zip(before, stage_compute_s(a.port, stages))]
     try:
         _wait_ready(f"http://127.0.0.1:{a.port}", up, a.startup_timeout_s, topo_file.with_suffix(".log"))
         timed(workloads[0])
         times = {}
         for w in workloads:
             first = [timed((*w[:2], 1)) for _ in range(a.reps)]
-            whole = [timed(w) for _ in range(a.reps)]
-            times[w] = (statistics.median(first), statistics.median(whole))
+            whole = [timed_stages(w) for _ in range(a.reps)]
+            times[w] = (statistics.median(first), statistics.median(t for t, _ in whole),
+                        tuple(statistics.median(per[j] for _, per in whole) for j in range(stages)))
         return times
     finally:
         os.killpg(up.pid, signal.SIGTERM)
@@ -176,17 +213,22 @@ def compare(plan, cluster, cost, work, measured: dict) -> list[dict]:
     from dataclasses import replace
 
     from tessera.pipeline.plan_topology import QUEUE_DELAY_MS
-    from tessera.pipeline.planner import predict
+    from tessera.pipeline.planner import predict, stage_seconds
     rows = []
-    for k, ((b, s, n), (first, whole)) in enumerate(measured.items()):
-        ev = predict(plan, cluster, cost, replace(work, batch=b, prompt_len=s, gen_len=n, gamma=1.0))   # ignore_eos: all n
+    for k, ((b, s, n), (first, whole, stages)) in enumerate(measured.items()):
+        w = replace(work, batch=b, prompt_len=s, gen_len=n, gamma=1.0)   # ignore_eos: all n
+        ev = predict(plan, cluster, cost, w)
         # Stage 0 waits QUEUE_DELAY_MS for a batch smaller than the plan's B (max_num_seqs).
         prefill = ev.prefill_s + (QUEUE_DELAY_MS / 1000 if b < plan.batch else 0.0)
         rows.append({"batch": b, "prompt_len": s, "gen_len": n, "heldout": k > 0,
                      "measured_prefill_s": round(first, 4), "predicted_prefill_s": round(prefill, 4),
                      "measured_decode_s": round(whole - first, 4), "predicted_decode_s": round(ev.decode_s, 4),
                      "measured_s": round(whole, 4), "predicted_s": round(prefill + ev.decode_s, 4),
-                     "error_pct": round(100 * ((prefill + ev.decode_s) / whole - 1), 1)})
+                     "error_pct": round(100 * ((prefill + ev.decode_s) / whole - 1), 1),
+                     # each stage's time in its own layers over the batch, against the model's
+                     "stages": [{"measured_s": round(m, 4), "predicted_s": round(p, 4),
+                                 "error_pct": round(100 * (p / m - 1), 1) if m > 0 else None}
+                                for m, p in zip(stages, stage_seconds(plan, cluster, cost, w))]})
     return rows
 
 
@@ -280,6 +322,11 @@ def summary(rows: list[dict]) -> dict:
         errs = [abs(w[key]) for r in rows for w in r.get("workloads", ()) if key in w]
         if errs:
             out[key] = {"mean_abs": round(statistics.mean(errs), 1), "max_abs": max(errs), "points": len(errs)}
+    stage_errs = [abs(st["error_pct"]) for r in rows for w in r.get("workloads", ()) for st in w.get("stages", ())
+                  if st["error_pct"] is not None]
+    if stage_errs:   # no overhead added: a stage's compute is what the model prices
+        out["stage_error_pct"] = {"mean_abs": round(statistics.mean(stage_errs), 1), "max_abs": max(stage_errs),
+                                  "points": len(stage_errs)}
     return out
 
 
@@ -291,6 +338,9 @@ def main(a: argparse.Namespace) -> int:
         raise SystemExit("--devices: a devices.yaml of virtual devices with `profile:` (see the README)")
     if a.reps < 1:
         raise SystemExit("--reps must be >= 1")
+    # tessera up keeps a cluster secret set in its environment: the stages' compute seconds
+    # are read with it (stage_compute_s)
+    os.environ.setdefault(cluster_auth.ENV, secrets.token_hex(32))
     ws = workloads(a)
     cluster, cost, work, notes = plan_cli.build(a)
     plans = plan_all(cluster, cost, work, efficient=a.efficient)
@@ -305,7 +355,8 @@ def main(a: argparse.Namespace) -> int:
                    "layout": f"{stages} stage(s) of equal layer ranges, every layer at 16 bits, no memory budget"}
         try:
             _, ref_topo = deployment_files(ref_plan, {d.name: d for d in ref_devices}, work_dir / ref_plan.method, a)
-            ref_row["workloads"] = compare(ref_plan, ref_cluster, cost, work, run_plan(ref_topo, ws, a, vocab, model_id))
+            ref_row["workloads"] = compare(ref_plan, ref_cluster, cost, work,
+                                           run_plan(ref_topo, ws, a, vocab, model_id, stages))
         except (RuntimeError, subprocess.CalledProcessError) as e:
             ref_row["error"] = str(e)[-400:]
         refs.append(ref_row)
@@ -322,7 +373,7 @@ def main(a: argparse.Namespace) -> int:
         row.update(layout=plan.layout(), omega_sum=round(plan.omega_sum, 6),
                    perplexity=round(perplexity(a.model, plan_file, a.ppl_windows), 3))
         try:
-            measured = run_plan(topo_file, ws, a, vocab, model_id)
+            measured = run_plan(topo_file, ws, a, vocab, model_id, len(plan.stages))
             row.update(measured_tok_s=round(a.batch * a.gen_len / measured[ws[0]][1], 2),
                        workloads=compare(plan, cluster, cost, work, measured))
         except (RuntimeError, subprocess.CalledProcessError) as e:

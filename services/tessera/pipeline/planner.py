@@ -257,14 +257,32 @@ def predict(plan: Plan, cluster: Cluster, cost: CostModel, work: Workload) -> il
     micro-batch when B < ξ, and cuts B into one decode micro-batch per stage as planned).
     When ξ does not divide B the runtime's last prefill micro-batch holds the rest
     (micro_batches.split_micro_batches): it enters the pipeline last and costs its own size."""
+    ev, _, full, last = _costed(plan, cluster, cost, work)
+    if last is None:
+        return ev
+    return replace(ev, prefill_s=sum(ev.pre) + (full - 1) * max(ev.pre) + max(last))
+
+
+def stage_seconds(plan: Plan, cluster: Cluster, cost: CostModel, work: Workload) -> tuple[float, ...]:
+    """Per stage, the predicted time in its own layers (and the ends it holds) over the whole
+    workload: every prefill micro-batch, then every decode micro-batch of the n - 1 rounds. What
+    a stage reports as its compute seconds (bench pq compares the two)."""
+    ev, t, full, last = _costed(plan, cluster, cost, work)
+    rounds = (t.mu_n - 1) * t.decode_micro_batches
+    return tuple(full * pre + (last[j] if last else 0.0) + rounds * dec
+                 for j, (pre, dec) in enumerate(zip(ev.pre, ev.dec)))
+
+
+def _costed(plan: Plan, cluster: Cluster, cost: CostModel, work: Workload):
+    """(evaluation at ξ, its tables, full prefill micro-batches, per-stage times of the last
+    partial one or None)."""
     devices = {d.name: d for d in cluster.devices}
     order = tuple(devices[s.device] for s in plan.stages)
     assignment = Assignment(tuple(j for j, s in enumerate(plan.stages) for _ in range(s.start, s.end)),
                             plan.layer_bits)
     xi = min(plan.xi, work.batch)
-    ev = evaluate(tables_for(cluster, cost, work, order, xi), assignment, work.objective)
+    t = tables_for(cluster, cost, work, order, xi)
+    ev = evaluate(t, assignment, work.objective)
     full, rest = divmod(work.batch, xi)
-    if not rest:
-        return ev
-    last = evaluate(tables_for(cluster, cost, work, order, rest), assignment, work.objective).pre
-    return replace(ev, prefill_s=sum(ev.pre) + (full - 1) * max(ev.pre) + max(last))
+    last = evaluate(tables_for(cluster, cost, work, order, rest), assignment, work.objective).pre if rest else None
+    return ev, t, full, last

@@ -124,14 +124,15 @@ def info_to_proto(i: WorkerInfo) -> worker_pb2.InfoResponse:
         num_running=i.num_running, num_waiting=i.num_waiting, dtype=i.dtype, role=i.role, compat=i.compat,
         speculative=i.speculative, spec_verify_rounds=i.spec_verify_rounds, spec_draft_tokens=i.spec_draft_tokens,
         spec_accepted_tokens=i.spec_accepted_tokens, spec_emitted_tokens=i.spec_emitted_tokens,
-        prefix_cache_queries=i.prefix_cache_queries, prefix_cache_hits=i.prefix_cache_hits)
+        prefix_cache_queries=i.prefix_cache_queries, prefix_cache_hits=i.prefix_cache_hits,
+        stage_compute_s=i.stage_compute_s)
 
 
 def info_from_proto(m: worker_pb2.InfoResponse) -> WorkerInfo:
     return WorkerInfo(m.model_id, m.max_model_len, m.num_kv_blocks, m.kv_block_size,
                       m.num_free_kv_blocks, m.num_running, m.num_waiting, m.dtype, m.role, m.compat,
                       m.speculative, m.spec_verify_rounds, m.spec_draft_tokens, m.spec_accepted_tokens,
-                      m.spec_emitted_tokens, m.prefix_cache_queries, m.prefix_cache_hits)
+                      m.spec_emitted_tokens, m.prefix_cache_queries, m.prefix_cache_hits, m.stage_compute_s)
 
 
 # WorkerError <-> gRPC status. The error class travels in the details as "<code>|<param>|<message>".
