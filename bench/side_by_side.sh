@@ -6,7 +6,7 @@
 # linears weight-only quantized (`tessera serve --quantization`, quantized at load from the same
 # weights); the other servers stay dense.
 #   bash bench/side_by_side.sh [tessera|tessera-vllm|vllm|transformers]...   (default: all four)
-# Results: $OUT/<server>-{64,c1}.json (default OUT=/tmp/side_by_side). Needs `make setup-dev`;
+# Results: $OUT/<server>-{64,c1}.json (default OUT=/tmp/side_by_side; tessera-int4-... with QUANT). Needs `make setup-dev`;
 # tessera-vllm and vllm need `make setup-vllm`; vllm uses ../shared/peers/vllm_cli.py (vLLM's
 # own CLI, which asks for the version of a distribution named `vllm`) where present.
 set -euo pipefail
@@ -37,8 +37,9 @@ bench() {     # name port (the model: the first one the server lists)
 }
 
 run_tessera() {
-  setsid $T serve --dtype "$DTYPE" ${QUANT:+--quantization "$QUANT"} --port 8100 > "$OUT/tessera.log" 2>&1 & local pid=$!
-  wait_up 8100 && bench tessera 8100
+  local name=tessera${QUANT:+-$QUANT}
+  setsid $T serve --dtype "$DTYPE" ${QUANT:+--quantization "$QUANT"} --port 8100 > "$OUT/$name.log" 2>&1 & local pid=$!
+  wait_up 8100 && bench "$name" 8100
   stop $pid
 }
 

@@ -117,7 +117,7 @@ def _registered(up: Logged) -> dict[str, str]:
     return asyncio.run(roles())
 
 
-def test_up_pipeline_answers_like_one_serve_process(pipeline, expected, monkeypatch):
+def test_up_pipeline_answers_like_one_serve_process(pipeline, expected):
     up, url = pipeline
     assert [chat(url, p) for p in PROMPTS] == expected
     wait_until(lambda: len(_registered(up)) == len(STAGES), 30, "the stages never registered")
@@ -125,10 +125,20 @@ def test_up_pipeline_answers_like_one_serve_process(pipeline, expected, monkeypa
     workers = [line for line in httpx.get(url + "/metrics").text.splitlines()
                if line.startswith("tessera_gateway_workers{")]
     assert workers and float(workers[0].split()[-1]) == 1, workers   # stage 0 only
-    # every stage reports the time it spent in its own layers (bench pq compares it per stage)
+
+
+def test_every_stage_counts_the_seconds_in_its_layers(pipeline, monkeypatch):
+    """What bench pq compares with the cost model per stage: stage 0's Info and the later
+    stages' StageInfo, each growing while a request runs through them."""
+    from tessera import cluster_auth
     from tessera.bench.pq_bench import stage_compute_s
-    monkeypatch.setenv("TESSERA_CLUSTER_SECRET", SECRET)       # the stages' internal calls need it
-    assert all(t > 0 for t in stage_compute_s(int(url.rsplit(":", 1)[1]), len(STAGES)))
+    up, url = pipeline
+    monkeypatch.setenv(cluster_auth.ENV, SECRET)            # the stages' internal calls need it
+    port = int(url.rsplit(":", 1)[1])
+    before = stage_compute_s(port, len(STAGES))
+    chat(url, PROMPTS[0])
+    after = stage_compute_s(port, len(STAGES))
+    assert all(t1 > t0 for t0, t1 in zip(before, after)), (before, after)
 
 
 def test_a_stage_killed_mid_stream_fails_the_stream_then_the_pipeline_recovers(pipeline, expected):

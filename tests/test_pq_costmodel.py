@@ -213,7 +213,7 @@ def test_profile_pq_fits_a_real_layer(tiny_models, tmp_path, monkeypatch):
     monkeypatch.setattr(profile, "PREPOST_DECODE", [1, 4])
     out = tmp_path / "prof.json"
     profile.main(SimpleNamespace(model=tiny_models["llama"], out=str(out), threads=1, bits="16,8", group_size=32,
-                                 reps=1))
+                                 reps=1, neighbours=None))
     data = json.loads(out.read_text())
     assert data["bits"] == [16, 8] and len(data["held_out"]) == 4
     assert all(p["seconds"] > 0 for p in data["points"]["decode"])

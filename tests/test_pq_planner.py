@@ -351,8 +351,10 @@ def test_stage_seconds_are_each_stages_micro_batches_over_the_workload():
         assert len(per_stage) == len(plan.stages)
         assert max(per_stage) <= ev.prefill_s + ev.decode_s <= sum(per_stage) * (1 + 1e-9)
     one = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], start=0, end=plan.stages[-1].end),))
-    ev = predict(one, cluster, cost, work)
-    assert stage_seconds(one, cluster, cost, work) == pytest.approx((ev.prefill_s + ev.decode_s,))
+    assert plan.xi > 1
+    for w in (work, dataclasses.replace(work, batch=plan.xi + 1)):    # the second: a partial last micro-batch
+        ev = predict(one, cluster, cost, w)
+        assert stage_seconds(one, cluster, cost, w) == pytest.approx((ev.prefill_s + ev.decode_s,))
 
 
 @pytest.mark.parametrize("stages", [1, 2])
@@ -418,3 +420,8 @@ def test_bench_pq_workloads_and_calibration():
     assert all(w["profiled_error_pct"] == 0.0 for r in rows for w in r["workloads"])
     assert profiled(rows, refs[1:]) is None
     assert calibrate(rows, "pipeedge") is None
+    # each stage's compute against its prediction, summarized apart (nothing added to it)
+    from tessera.bench.pq_bench import summary
+    rows[1]["workloads"][0]["stages"] = [{"measured_s": 1.0, "predicted_s": 0.9, "error_pct": -10.0},
+                                         {"measured_s": 0.5, "predicted_s": 0.52, "error_pct": 4.0}]
+    assert summary(rows)["stage_error_pct"] == {"mean_abs": 7.0, "max_abs": 10.0, "points": 2}

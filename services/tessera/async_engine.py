@@ -69,7 +69,7 @@ class AsyncEngine:
             speculative=_drafter(e.config.speculative), spec_verify_rounds=spec.verify_rounds,
             spec_draft_tokens=spec.draft_tokens, spec_accepted_tokens=spec.accepted_tokens,
             spec_emitted_tokens=spec.emitted_tokens, prefix_cache_queries=e.kv.stats.queries,
-            prefix_cache_hits=e.kv.stats.hits, stage_compute_s=getattr(e.runner, "compute_s", 0.0))
+            prefix_cache_hits=e.kv.stats.hits, stage_compute_s=e.runner.compute_s)
 
     async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateChunk]:
         """Tokenize here, then hand the request to the engine thread, which validates it

@@ -350,8 +350,8 @@ COMMANDS = {
                      "against one-layer perplexity increases)", *_module_command("tessera.pipeline.indicator_cli")),
     ("plan", "afd"): ("MegaScale-Infer plan search (Algorithm 1); writes a topology file",
                       *_module_command("tessera.disagg.plan_cli")),
-    ("profile-pq",): ("LLM-PQ: time one decoder layer per bit-width here (prefill and decode regressions, "
-                      "held-out error); the JSON devices.yaml names as `profile:`", *_module_command("tessera.pipeline.profile")),
+    ("profile-pq",): ("LLM-PQ: time decoder layers per bit-width here as a stage runs them (prefill and decode "
+                      "regressions, held-out error); the JSON devices.yaml names as `profile:`", *_module_command("tessera.pipeline.profile")),
     ("bench", "pq"): ("LLM-PQ's plan vs uniform, PipeEdge and adabits, each run end to end here (tessera up + "
                       "run-batch) with predicted and measured tok/s and perplexity", *_module_command("tessera.bench.pq_bench")),
     ("plan", "pq"): ("LLM-PQ: device order, micro-batches, layer split and bits per layer (ILP), beside "

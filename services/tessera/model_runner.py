@@ -29,6 +29,8 @@ def allocate_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch
 
 
 class ModelRunner:
+    compute_s = 0.0   # a pipeline's first stage (PipelineRunner) counts the seconds in its layers here
+
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, layers: range | None = None) -> None:
         """layers: the decoder layers this process holds KV for (default: all)."""
         self.model = model

@@ -97,6 +97,7 @@ def stage_compute_s(port: int, stages: int) -> list[float]:
     from its Info, the later stages from StageInfo."""
     from tessera.rpc.client import GrpcWorkerClient
     from tessera.rpc.pipeline_client import GrpcStageControl
+    from tessera.worker_api import WorkerError
 
     async def first() -> float:
         client = GrpcWorkerClient(f"127.0.0.1:{port + 1}")
@@ -104,13 +105,16 @@ def stage_compute_s(port: int, stages: int) -> list[float]:
             return (await client.info()).stage_compute_s
         finally:
             await client.close()
-    out = [asyncio.run(first())]
-    for j in range(1, stages):
-        control = GrpcStageControl(f"127.0.0.1:{port + 1 + j}")
-        try:
-            out.append(control.info().compute_s)
-        finally:
-            control.close()
+    try:
+        out = [asyncio.run(first())]
+        for j in range(1, stages):
+            control = GrpcStageControl(f"127.0.0.1:{port + 1 + j}")
+            try:
+                out.append(control.info().compute_s)
+            finally:
+                control.close()
+    except WorkerError as e:     # the plan's row records it (RuntimeError), the bench goes on
+        raise RuntimeError(f"reading the stages' compute seconds: {e}") from e
     return out
 
 
@@ -134,7 +138,10 @@ def run_plan(topo_file: pathlib.Path, workloads: list[tuple[int, int, int]], a: 
     def timed_stages(w: tuple[int, int, int]) -> tuple[float, list[float]]:
         before = stage_compute_s(a.port, stages)
         seconds = timed(w)
-        return seconds, [t1 - t0 for t0, t1 in zip(before, stage_compute_s(a.port, stages))]
+        spent = [t1 - t0 for t0, t1 in zip(before, stage_compute_s(a.port, stages))]
+        if min(spent) < 0:
+            raise RuntimeError(f"a stage restarted during the batch (its compute seconds went back: {spent})")
+        return seconds, spent
     try:
         _wait_ready(f"http://127.0.0.1:{a.port}", up, a.startup_timeout_s, topo_file.with_suffix(".log"))
         timed(workloads[0])
@@ -277,6 +284,20 @@ def reference(plans: dict, cluster, cost, work, stages: int = 1) -> tuple:
     return replace(plan, prefill_s=ev.prefill_s, decode_s=ev.decode_s), devices, ring
 
 
+def measure_reference(plans: dict, cluster, cost, work, stages: int, ws: list, a: argparse.Namespace,
+                      work_dir: pathlib.Path, vocab: int, model_id: str) -> dict:
+    """The reference deployment of `stages` stages served and compared like a plan: its row."""
+    ref_plan, ref_devices, ref_cluster = reference(plans, cluster, cost, work, stages)
+    row = {"plan": ref_plan.method, "stages": stages,
+           "layout": f"{stages} stage(s) of equal layer ranges, every layer at 16 bits, no memory budget"}
+    try:
+        _, topo = deployment_files(ref_plan, {d.name: d for d in ref_devices}, work_dir / ref_plan.method, a)
+        row["workloads"] = compare(ref_plan, ref_cluster, cost, work, run_plan(topo, ws, a, vocab, model_id, stages))
+    except (RuntimeError, subprocess.CalledProcessError) as e:
+        row["error"] = str(e)[-400:]
+    return row
+
+
 def overheads(row: dict) -> tuple[float, float]:
     """The mean residual of a measured row: seconds per prefill, seconds per decode step."""
     ws = row["workloads"]
@@ -348,18 +369,8 @@ def main(a: argparse.Namespace) -> int:
     work_dir.mkdir(parents=True, exist_ok=True)
     vocab, model_id = load_config(resolve_model_path(a.model)).vocab_size, model_id_for(a.model)
     devices = {d.name: d for d in cluster.devices}
-    rows, refs = [], []
-    for stages in (1, 2):
-        ref_plan, ref_devices, ref_cluster = reference(plans, cluster, cost, work, stages)
-        ref_row = {"plan": ref_plan.method, "stages": stages,
-                   "layout": f"{stages} stage(s) of equal layer ranges, every layer at 16 bits, no memory budget"}
-        try:
-            _, ref_topo = deployment_files(ref_plan, {d.name: d for d in ref_devices}, work_dir / ref_plan.method, a)
-            ref_row["workloads"] = compare(ref_plan, ref_cluster, cost, work,
-                                           run_plan(ref_topo, ws, a, vocab, model_id, stages))
-        except (RuntimeError, subprocess.CalledProcessError) as e:
-            ref_row["error"] = str(e)[-400:]
-        refs.append(ref_row)
+    rows, refs = [], [measure_reference(plans, cluster, cost, work, stages, ws, a, work_dir, vocab, model_id)
+                      for stages in (1, 2)]
     for method, plan in plans.items():
         if method not in a.methods.split(","):
             continue

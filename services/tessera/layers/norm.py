@@ -15,7 +15,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (x.dim() == 2 and self.weight.dtype == x.dtype and not self.weight.requires_grad
-                and elementwise_cpu.applies(x, x.shape[-1])):
+                and not x.requires_grad and elementwise_cpu.applies(x, x.shape[-1])):
             return elementwise_cpu.rms_norm(x, self.weight, self.eps)   # one pass (bf16: the same roundings)
         if x.dtype == torch.float32:
             return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)

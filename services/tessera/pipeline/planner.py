@@ -264,9 +264,12 @@ def predict(plan: Plan, cluster: Cluster, cost: CostModel, work: Workload) -> il
 
 
 def stage_seconds(plan: Plan, cluster: Cluster, cost: CostModel, work: Workload) -> tuple[float, ...]:
-    """Per stage, the predicted time in its own layers (and the ends it holds) over the whole
-    workload: every prefill micro-batch, then every decode micro-batch of the n - 1 rounds. What
-    a stage reports as its compute seconds (bench pq compares the two)."""
+    """Per stage, the predicted time in its own layers (and the ends the model gives it: embedding
+    and head on the head stage) over the whole workload: every prefill micro-batch, then every
+    decode micro-batch of the n - 1 rounds. What a stage reports as its compute seconds (bench pq
+    compares the two). A stage's time per micro-batch is max(compute, its send), as in the
+    planner's tables; a stage's counter has no sends, so this holds while links are faster than
+    layers (here: loopback TCP, a few KB per micro-batch)."""
     ev, t, full, last = _costed(plan, cluster, cost, work)
     rounds = (t.mu_n - 1) * t.decode_micro_batches
     return tuple(full * pre + (last[j] if last else 0.0) + rounds * dec

@@ -1,30 +1,13 @@
 """`tessera profile pq`: the latency profile of one device type (this CPU at --threads) for the
-LLM-PQ planner (papers.md §4.3): one real decoder layer of the model, timed at each bit-width
-for prefill (b sequences of s tokens, no past) and decode (b sequences, one token each after
-s + i tokens of context), fitted with costmodel.Regression (decode: one per range of b where
-the linears change kernel, costmodel.Piecewise); plus the pre/post-processing (embedding,
-final norm, LM head: stage 0 and the last stage in our runtime). Held-out (b, s, i) points, never fitted, report the fits'
-error (§4.10 invariant 4). The planner reads the JSON through `profile: FILE` in devices.yaml.
-
-For each bit-width the whole model is quantized to it, and every timed run is one layer alone
-through the shared layer driver on a ForwardBatch built by batch.build_forward_batch, as the
-engine builds them; each run takes the next layer (layers share one shape), so its weights come
-from memory as in a stage of many layers. One layer timed again and again keeps its weights in
-L2/L3: on Zen 5 its decode was 1.1-1.7x faster than the same layer in a 30-layer stack, by
-bit-width and batch (16-bit lost the most), which no per-step overhead can absorb for every plan.
-
-The devices this profile describes are cores of one machine (virtual devices: one process each,
-papers.md §4 "heterogeneity here"), and in a pipeline they all stream weights at once from the
-memory they share. So by default every point is timed with the machine's other cores busy as
-such devices: --neighbours processes (cores // threads - 1 of them), forked with the model at
-the same bit-width, run its decoder layers in a loop. Measured on Zen 5, one layer's decode at
-4 rows beside one such neighbour: 16-bit +14 %, 8-bit +1 %, 4-bit +3 %; plans that differ in
-their bits differ in this too, so a per-step overhead measured on a 16-bit reference cannot
-carry it.
+LLM-PQ planner (papers.md §4.3): decoder layers timed per bit-width for prefill and decode,
+fitted per bit-width (costmodel.Regression; decode one per kernel regime, costmodel.Piecewise),
+plus the embedding and head; held-out points report the fits' error (§4.10 invariant 4). Timed
+as a stage runs: weights cold, beside busy neighbours (README, "Profiled as a stage runs").
 """
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -70,9 +53,14 @@ def step_batch(b: int, s: int, i: int, prefill: bool):
     return build_forward_batch(StepPlan(tuple(reqs)), BLOCK), b * blocks * BLOCK
 
 
+_next_layer = itertools.count()   # across points too: a point must not find the last one's layers cached
+
+
 def time_layer(model, b: int, s: int, i: int, prefill: bool, reps: int) -> float:
-    """Median seconds of one decoder layer on that batch (after one warm-up run), each run on the
-    next layer of the model, so the weights are not left in the cache by the run before."""
+    """Median seconds of one decoder layer on that batch (after one warm-up run). Each run takes
+    the next layer of the model (all at one bit-width; layers share one shape), so its weights
+    come from memory as in a stage of many layers: one layer timed again and again keeps them in
+    L2/L3 (on Zen 5 its decode was 1.1-1.7x faster than in a 30-layer stack)."""
     import torch
 
     from tessera.models.driver import run_layers
@@ -84,7 +72,7 @@ def time_layer(model, b: int, s: int, i: int, prefill: bool, reps: int) -> float
     samples = []
     with torch.inference_mode():
         for r in range(reps + 1):
-            layer = r % cfg.num_layers
+            layer = next(_next_layer) % cfg.num_layers
             t0 = time.perf_counter()
             run_layers(model, x, batch, kv, range(layer, layer + 1))
             samples.append(time.perf_counter() - t0)
@@ -108,9 +96,14 @@ def time_prepost(model, b: int, s: int, reps: int) -> float:
 
 
 def _neighbour(model_name: str, bits: int, group_size: int, dtype: str, threads: int, ready) -> None:
-    """A busy device beside the timed one (a spawned process: OpenMP does not survive a fork): the
-    model at `bits` run through its decoder layers on a decode step of 4 rows, over and over,
-    until killed."""
+    """A busy device beside the timed one: the model at `bits` through its decoder layers on a
+    decode step of 4 rows, over and over, until killed or its parent is gone.
+
+    The virtual devices are cores of one machine, and in a pipeline they all stream weights at
+    once from the memory they share: on Zen 5 one layer's decode at 4 rows beside a 16-bit
+    neighbour was 16-bit +14 %, 8-bit +4 %, 4-bit +5 %. Plans differ in this as in their bits,
+    so a per-step overhead measured on a 16-bit reference could not carry it. Spawned, not
+    forked: OpenMP does not survive a fork."""
     import torch
 
     from tessera.layers.quant import quantize_model
@@ -123,10 +116,11 @@ def _neighbour(model_name: str, bits: int, group_size: int, dtype: str, threads:
     kv = [tuple(torch.zeros(cfg.num_kv_heads, slots, cfg.head_dim, dtype=getattr(torch, dtype)) for _ in range(2))
           for _ in range(cfg.num_layers)]
     x = torch.randn(batch.num_tokens, cfg.hidden_size, dtype=getattr(torch, dtype))
+    parent = os.getppid()
     with torch.inference_mode():
         run_layers(model, x, batch, kv, range(cfg.num_layers))
         ready.set()
-        while True:
+        while os.getppid() == parent:       # a profile killed hard must not leave this spinning
             run_layers(model, x, batch, kv, range(cfg.num_layers))
 
 
@@ -159,7 +153,7 @@ def measure(model_at, bits: list[int], reps: int, log=print, neighbour=lambda bi
         model = model_at(bw)
         with busy_neighbours(*neighbour(bw)):
             _measure_bits(model, bw, reps, order, out)
-            if bw == bits[-1]:       # the ends do not depend on the layers' bits
+            if bw == bits[-1]:       # the ends have no bits (timed beside the last bit-width's neighbours)
                 out["prepost_prefill"] = [{"b": b, "s": s, "i": 0, "seconds": time_prepost(model, b, s, reps)}
                                           for b, s in PREPOST_PREFILL]
                 out["prepost_decode"] = [{"b": b, "s": 1, "i": 0, "seconds": time_prepost(model, b, 1, 3 * reps)}
@@ -235,7 +229,7 @@ def main(a) -> int:
         quantize_model(model, [bw] * cfg.num_layers, group_size=a.group_size)
         return model
     threads_left = len(os.sched_getaffinity(0)) - a.threads
-    neighbours = a.neighbours if getattr(a, "neighbours", None) is not None else max(0, threads_left // a.threads)
+    neighbours = a.neighbours if a.neighbours is not None else max(0, threads_left // a.threads)
     points = measure(model_at, bits, a.reps,
                      neighbour=lambda bw: (neighbours, a.model, bw, a.group_size, PROFILE_DTYPE, a.threads))
     profile = {"kind": "tessera pq profile", "model": a.model, "dtype": str(dtype).removeprefix("torch."),
