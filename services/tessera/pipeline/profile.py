@@ -151,6 +151,8 @@ def measure(model_at, bits: list[int], reps: int, log=print, neighbour=lambda bi
     order = random.Random(0)
     for bw in bits:
         model = model_at(bw)
+        for b, s, prefill in ((2, 16, True), (1, 16, False)):   # one-off work on a layer's first call
+            time_layer(model, b, s, 0, prefill, model.config.num_layers)     # (oneDNN's weight reorder)
         with busy_neighbours(*neighbour(bw)):
             _measure_bits(model, bw, reps, order, out)
             if bw == bits[-1]:       # the ends have no bits (timed beside the last bit-width's neighbours)
