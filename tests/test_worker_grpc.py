@@ -12,11 +12,16 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def stub(tiny_models):
+def worker_address(tiny_models):
     with tessera_worker("--model", tiny_models["llama"], "--dtype", "float32", "--num-kv-blocks", "64",
                         "--block-size", "8") as (addr, _):
-        with grpc.insecure_channel(addr) as channel:
-            yield worker_pb2_grpc.WorkerStub(channel), health_pb2_grpc.HealthStub(channel)
+        yield addr
+
+
+@pytest.fixture(scope="module")
+def stub(worker_address):
+    with grpc.insecure_channel(worker_address) as channel:
+        yield worker_pb2_grpc.WorkerStub(channel), health_pb2_grpc.HealthStub(channel)
 
 
 def cpu_flags(cpuinfo: str) -> set[str]:
@@ -302,3 +307,75 @@ def test_a_silent_session_is_abandoned_and_the_next_request_opens_a_new_one():
     first, abandoned, second, opened = asyncio.run(asyncio.wait_for(run(), 30))
     assert all("sent nothing" in r for r in first) and "sent nothing" in second
     assert abandoned and opened == 2
+
+
+def _greedy_tokens(client, rid: str):
+    """The gateway client's tokens for one small greedy generation."""
+    from tessera.config import SamplingParams
+    from tessera.worker_api import GenerateInput
+    req = GenerateInput(request_id=rid, sampling=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                        token_ids=(5, 6, 7))
+
+    async def run():
+        return [t for c in [c async for c in client.generate(req)] for t in c.token_ids]
+    return run()
+
+
+def test_a_gateway_client_serves_from_a_second_event_loop(worker_address):
+    """grpc.aio binds a channel to the event loop that made it: the same client used again
+    under another loop (asyncio.run twice) opens a channel and a session of its own there."""
+    import asyncio
+
+    from tessera.rpc.client import GrpcWorkerClient
+    client = GrpcWorkerClient(worker_address)
+    first = asyncio.run(asyncio.wait_for(_greedy_tokens(client, "loop-1"), 30))
+    second = asyncio.run(asyncio.wait_for(_greedy_tokens(client, "loop-2"), 30))
+    asyncio.run(client.close())
+    assert len(first) == 4 and second == first
+
+
+def test_an_idle_session_lives_through_keepalive_pings(worker_address, monkeypatch):
+    """The gateway pings its idle session (rpc/options.py: keepalive), here every 100 ms for 5 s
+    on a session carrying nothing: the worker takes the pings and the session goes on, while a
+    server that polices pings (one per 5 minutes, one strike) closes it, so the pings are sent."""
+    import asyncio
+
+    from tessera.entrypoints.worker import WorkerServicer
+    from tessera.rpc import options
+    from tessera.rpc.client import GrpcWorkerClient
+    from tessera.worker_api import GenerateChunk, Unavailable
+    monkeypatch.setattr(options, "KEEPALIVE_TIME_MS", 100)
+
+    class Engine:
+        async def generate(self, req):
+            yield GenerateChunk("x", (5, 6, 7, 8), finish_reason="length", completion_tokens=4)
+
+    async def idle_session(address: str, idle_s: float):
+        client = GrpcWorkerClient(address)
+        try:
+            first = await _greedy_tokens(client, "before-idle")
+            session = client._session
+            await asyncio.sleep(idle_s)
+            open_after_idle = not session.closed
+            try:
+                second = await _greedy_tokens(client, "after-idle")
+            except Unavailable as e:      # the policing server's GOAWAY, until the channel reconnects
+                second = str(e)
+            return first, second, open_after_idle, client._session is session
+        finally:
+            await client.close()
+
+    async def strict():
+        server = grpc.aio.server(options=[("grpc.http2.min_recv_ping_interval_without_data_ms", 300_000),
+                                          ("grpc.http2.max_ping_strikes", 1)])
+        worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(Engine()), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            return await idle_session(f"127.0.0.1:{port}", 5.0)    # closed after ~3 s here
+        finally:
+            await server.stop(None)
+    first, second, open_after_idle, same = asyncio.run(asyncio.wait_for(idle_session(worker_address, 5.0), 30))
+    assert len(first) == 4 and second == first and open_after_idle and same
+    _, _, policed_open, policed_same = asyncio.run(asyncio.wait_for(strict(), 30))
+    assert not policed_open and not policed_same, (policed_open, policed_same)

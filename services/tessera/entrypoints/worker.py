@@ -16,7 +16,7 @@ from tessera import cluster_auth, logs
 from tessera.async_engine import AsyncEngine
 from tessera.config import ConfigError, EngineConfig
 from tessera.engine import Engine
-from tessera.rpc import convert
+from tessera.rpc import convert, options
 from tessera.rpc.v1 import worker_pb2, worker_pb2_grpc
 from tessera.worker_api import InternalError, InvalidRequest, Unavailable, WorkerError
 
@@ -191,7 +191,7 @@ async def serve(config: EngineConfig, host: str, port: int, build=None, role: st
     if metrics_port:
         from tessera.metrics import serve_worker_metrics
         serve_worker_metrics(engine, role, metrics_port, host)
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)],
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20), *options.ACCEPT_KEEPALIVE],
                              interceptors=[cluster_auth.AioServerInterceptor()])
     servicer = WorkerServicer(engine)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)

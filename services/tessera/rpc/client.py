@@ -22,14 +22,19 @@ class GrpcWorkerClient:
         self._channel: grpc.aio.Channel | None = None
         self._stub_obj: worker_pb2_grpc.WorkerStub | None = None
         self._session: _Session | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._no_session = False   # the worker predates Session: every generation uses Generate
 
     @property
     def _stub(self) -> worker_pb2_grpc.WorkerStub:
-        """Created on first use, inside the event loop that will drive it (grpc.aio binds to it)."""
-        if self._stub_obj is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=options.LARGE_MESSAGES + options.RECONNECT)
-            self._stub_obj = worker_pb2_grpc.WorkerStub(self._channel)
+        """Created on first use, inside the event loop that drives it: grpc.aio binds a channel
+        to that loop, so a client used from another loop (asyncio.run twice) gets a channel, and
+        a session, of its own there; the old ones went with their loop."""
+        loop = asyncio.get_running_loop()
+        if self._stub_obj is None or self._loop is not loop:
+            self._channel = grpc.aio.insecure_channel(
+                self.address, options=options.LARGE_MESSAGES + options.RECONNECT + options.keepalive())
+            self._stub_obj, self._loop, self._session = worker_pb2_grpc.WorkerStub(self._channel), loop, None
         return self._stub_obj
 
     async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateChunk]:
@@ -103,8 +108,9 @@ class GrpcWorkerClient:
             raise Unavailable(f"worker {self.address} sent nothing for {self.idle_timeout_s:.0f} s") from None
 
     def _session_now(self) -> _Session:
+        stub = self._stub     # first: in a new event loop it drops the old loop's session
         if self._session is None or self._session.closed:
-            self._session = _Session(self._stub, self.address)
+            self._session = _Session(stub, self.address)
         return self._session
 
     async def abort(self, request_id: str) -> None:
@@ -120,6 +126,9 @@ class GrpcWorkerClient:
             raise convert.error_from_status(e.code(), e.details()) from None
 
     async def close(self) -> None:
+        if self._loop is not asyncio.get_running_loop():   # made under another loop: gone with it
+            self._channel = self._stub_obj = self._session = self._loop = None
+            return
         if self._session is not None:
             await self._session.close()
             self._session = None
