@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.layers.norm import rms_norm_low_precision
-from tessera_kernels import amx_linear, elementwise_cpu, gemv_cpu, gemv_quant_cpu
+from tessera_kernels import amx_linear, dpbf16_linear, elementwise_cpu, gemv_cpu, gemv_quant_cpu
 from tessera_kernels import paged_attention_cpu as pa
 
 pytestmark = pytest.mark.kernels
@@ -425,3 +425,76 @@ def test_linear_layer_takes_the_amx_path_for_mid_batches(monkeypatch):
         assert calls == [12] and torch.equal(y, want)
         layer.weight.mul_(2)
         assert torch.equal(layer(x), real(x, amx_linear.pack(layer.weight), layer.bias, 96))
+
+
+_NO_DPBF16 = "this CPU has no AVX512-BF16, or has AMX: the register-tile linear is not used"
+
+
+@pytest.mark.skipif(not dpbf16_linear.available(), reason=_NO_DPBF16)
+@pytest.mark.parametrize("M", [5, 8, 9, 64, 300])
+@pytest.mark.parametrize("N,K,bias", [(960, 576, False), (576, 1536, True), (32, 34, True), (16, 2, False)])
+def test_dpbf16_linear_matches_its_reference_and_onednn(M, N, K, bias):
+    """Row counts on and off the 8-row tiles and past one 256-row chunk, full and narrower last
+    panels (N = 960, 32, 16), a bias, and x a view whose rows are further apart than K: close
+    to the float32 product rounded once, and oneDNN's bf16 linear but for last-bit differences
+    in a few elements (another split of the sums)."""
+    g = torch.Generator().manual_seed(M * N + K)
+    w = torch.randn(N, K, generator=g).bfloat16()
+    x = torch.randn(M, K + 64, generator=g).bfloat16()[:, 32:32 + K]
+    b = torch.randn(N, generator=g).bfloat16() if bias else None
+    y = dpbf16_linear.linear(x, dpbf16_linear.pack(w), b, N)
+    ref = amx_linear.linear_ref(x, w, b)
+    torch.testing.assert_close(y.float(), ref.float(), rtol=1.6e-2, atol=1e-2)
+    onednn = torch.ops.mkldnn._linear_pointwise(x.contiguous(), torch.ops.mkldnn._reorder_linear_weight(w, None),
+                                                b, "none", [], "")
+    assert (y != onednn).float().mean().item() <= 1e-3
+    # a bf16 step at most, or float32 summation noise where the sum nearly cancels
+    one_step = torch.maximum(y.float().abs(), onednn.float().abs()) * 2.0 ** -7 + 1e-3
+    assert ((y.float() - onednn.float()).abs() <= one_step).all()
+
+
+def test_dpbf16_pack_puts_each_weight_pair_where_the_c_source_says():
+    """packed[panel_start + (p * nv + b) * 32 + 2j + q] = W[16 (3 panel + b) + j][2p + q], the
+    last panel narrower (here 5 blocks: a full panel of 3, then one of 2)."""
+    N, K = 80, 6
+    w = torch.arange(N * K, dtype=torch.float32).reshape(N, K)
+    packed = dpbf16_linear.pack(w)
+    assert packed.numel() == N * K
+    for n in range(N):
+        for k in range(K):
+            panel, b, j, p, q = n // 48, n % 48 // 16, n % 16, k // 2, k % 2
+            nv = 3 if panel == 0 else 2
+            assert packed[panel * 48 * K + (p * nv + b) * 32 + 2 * j + q] == w[n, k]
+
+
+def test_dpbf16_linear_applies_only_to_bf16_batches_of_five_rows_or_more():
+    w = torch.zeros(48, 64, dtype=torch.bfloat16)
+    ok = dpbf16_linear.available()
+    assert dpbf16_linear.applies(torch.zeros(5, 64, dtype=torch.bfloat16), w) == ok
+    assert dpbf16_linear.applies(torch.zeros(2048, 64, dtype=torch.bfloat16), w) == ok
+    assert not dpbf16_linear.applies(torch.zeros(4, 64, dtype=torch.bfloat16), w)        # the GEMV's
+    assert not dpbf16_linear.applies(torch.zeros(8, 64), w.float())
+    assert not dpbf16_linear.applies(torch.zeros(8, 63, dtype=torch.bfloat16), torch.zeros(48, 63, dtype=torch.bfloat16))
+    assert not dpbf16_linear.applies(torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(40, 64, dtype=torch.bfloat16))
+    assert not dpbf16_linear.applies(torch.zeros(1, 64, dtype=torch.bfloat16).expand(8, 64), w)   # rows overlap
+    assert not (dpbf16_linear.available() and amx_linear.available())   # one packed kernel per CPU
+
+
+@pytest.mark.skipif(not dpbf16_linear.available(), reason=_NO_DPBF16)
+def test_linear_layer_takes_the_register_tile_path_for_five_rows_or_more(monkeypatch):
+    """The layer sends 5+ bf16 rows to the kernel (spied), 1-4 to the GEMV, and packs again
+    after its weight is edited in place."""
+    from tessera.layers.linear import Linear
+    layer = Linear(64, 96, bias=True).bfloat16().requires_grad_(False)
+    calls = []
+    real = dpbf16_linear.linear
+    monkeypatch.setattr(dpbf16_linear, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    with torch.inference_mode():
+        x = torch.randn(12, 64).bfloat16()
+        y = layer(x)
+        layer(x[:3])
+        assert calls == [12]
+        torch.testing.assert_close(y.float(), amx_linear.linear_ref(x, layer.weight, layer.bias).float(),
+                                   rtol=1.6e-2, atol=1e-2)
+        layer.weight.mul_(2)
+        assert torch.equal(layer(x), real(x, dpbf16_linear.pack(layer.weight), layer.bias, 96))
