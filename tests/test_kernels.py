@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.layers.norm import rms_norm_low_precision
-from tessera_kernels import amx_linear, dpbf16_linear, elementwise_cpu, gemv_cpu, gemv_quant_cpu
+from tessera_kernels import amx_linear, elementwise_cpu, gemv_cpu, gemv_quant_cpu, tile_linear
 from tessera_kernels import paged_attention_cpu as pa
 
 pytestmark = pytest.mark.kernels
@@ -261,7 +261,7 @@ def test_the_quantized_gemvs_and_float32_kernels_built_for_avx2_pass_the_same_te
                           "-k", "(q4 or q8 or float32) and not avx2"], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "passed" in run.stdout
-    assert list((tmp_path / "kernels").glob("gemv_quant-*.so")) and list((tmp_path / "kernels").glob("elementwise_f32-*.so"))
+    assert all(list((tmp_path / "kernels").glob(f"{name}-*.so")) for name in ("gemv_quant", "elementwise_f32", "tile_linear_f32"))
 
 
 @pytest.mark.parametrize("B,V", [(1, 49152), (5, 77), (3, 16), (2, 5)])
@@ -427,74 +427,95 @@ def test_linear_layer_takes_the_amx_path_for_mid_batches(monkeypatch):
         assert torch.equal(layer(x), real(x, amx_linear.pack(layer.weight), layer.bias, 96))
 
 
-_NO_DPBF16 = "this CPU has no AVX512-BF16, or has AMX: the register-tile linear is not used"
+
+def _no_tile_linear(dtype):
+    return pytest.mark.skipif(not tile_linear.available(dtype),
+                              reason=f"no register-tile linear for {dtype} here (bf16 needs AVX512-BF16 and no AMX)")
 
 
-@pytest.mark.skipif(not dpbf16_linear.available(), reason=_NO_DPBF16)
-@pytest.mark.parametrize("M", [5, 8, 9, 64, 300])
+# ids: the AVX2 rebuild below selects the float32 ones with -k float32
+_TILE_DTYPES = pytest.mark.parametrize("dtype", [
+    pytest.param(torch.bfloat16, marks=_no_tile_linear(torch.bfloat16), id="bf16"),
+    pytest.param(torch.float32, marks=_no_tile_linear(torch.float32), id="float32")])
+
+
+@_TILE_DTYPES
+@pytest.mark.parametrize("M", [1, 5, 8, 9, 64, 300])
 @pytest.mark.parametrize("N,K,bias", [(960, 576, False), (576, 1536, True), (32, 34, True), (16, 2, False)])
-def test_dpbf16_linear_matches_its_reference_and_onednn(M, N, K, bias):
-    """Row counts on and off the 8-row tiles and past one 256-row chunk, full and narrower last
-    panels (N = 960, 32, 16), a bias, and x a view whose rows are further apart than K: close
-    to the float32 product rounded once, and oneDNN's bf16 linear but for last-bit differences
-    in a few elements (another split of the sums)."""
+def test_tile_linear_matches_its_reference_and_onednn(dtype, M, N, K, bias):
+    """Row counts on and off the register tiles and past one 256-row chunk, full and narrower
+    last panels (N = 960, 32, 16), a bias, and x a view whose rows are further apart than K:
+    close to the float64 product of the same values (bf16: rounded once), and to oneDNN's linear
+    (bf16: but for last-bit differences in a few elements, another split of the sums)."""
+    if dtype == torch.bfloat16 and M < tile_linear.BF16_MIN_ROWS:
+        pytest.skip("the GEMV's rows")
     g = torch.Generator().manual_seed(M * N + K)
-    w = torch.randn(N, K, generator=g).bfloat16()
-    x = torch.randn(M, K + 64, generator=g).bfloat16()[:, 32:32 + K]
-    b = torch.randn(N, generator=g).bfloat16() if bias else None
-    y = dpbf16_linear.linear(x, dpbf16_linear.pack(w), b, N)
-    ref = amx_linear.linear_ref(x, w, b)
-    torch.testing.assert_close(y.float(), ref.float(), rtol=1.6e-2, atol=1e-2)
+    w = torch.randn(N, K, generator=g).to(dtype)
+    x = torch.randn(M, K + 64, generator=g).to(dtype)[:, 32:32 + K]
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    assert tile_linear.applies(x, w)
+    y = tile_linear.linear(x, tile_linear.pack(w), b, N)
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
     onednn = torch.ops.mkldnn._linear_pointwise(x.contiguous(), torch.ops.mkldnn._reorder_linear_weight(w, None),
                                                 b, "none", [], "")
+    if dtype == torch.float32:   # float32 sums of K products in another order
+        bound = 4 * K * 2.0 ** -24 * F.linear(x.double().abs(), w.double().abs()) + 1e-6
+        assert ((y.double() - exact).abs() <= bound).all() and ((onednn.double() - exact).abs() <= bound).all()
+        return
+    torch.testing.assert_close(y.float(), exact.float(), rtol=1.6e-2, atol=1e-2)
     assert (y != onednn).float().mean().item() <= 1e-3
     # a bf16 step at most, or float32 summation noise where the sum nearly cancels
     one_step = torch.maximum(y.float().abs(), onednn.float().abs()) * 2.0 ** -7 + 1e-3
     assert ((y.float() - onednn.float()).abs() <= one_step).all()
 
 
-def test_dpbf16_pack_puts_each_weight_pair_where_the_c_source_says():
-    """packed[panel_start + (p * nv + b) * 32 + 2j + q] = W[16 (3 panel + b) + j][2p + q], the
-    last panel narrower (here 5 blocks: a full panel of 3, then one of 2)."""
-    N, K = 80, 6
-    w = torch.arange(N * K, dtype=torch.float32).reshape(N, K)
-    packed = dpbf16_linear.pack(w)
+@_TILE_DTYPES
+def test_tile_linear_pack_puts_each_weight_where_the_c_source_says(dtype):
+    """packed[panel_start + (p * nv + b) * L * pair + pair * j + q] = W[L (3 panel + b) + j][pair p + q]
+    (pair: 2 inputs per bf16 dot product, 1 per float32 FMA), the last panel narrower (5 blocks:
+    a full panel of 3, then one of 2)."""
+    L, pair = tile_linear._library(dtype)[1], tile_linear._pair(dtype)
+    N, K = 5 * L, 6
+    w = torch.arange(N * K, dtype=torch.float32).reshape(N, K).to(dtype)   # exact in bf16 below 256
+    packed = tile_linear.pack(w)
     assert packed.numel() == N * K
     for n in range(N):
         for k in range(K):
-            panel, b, j, p, q = n // 48, n % 48 // 16, n % 16, k // 2, k % 2
+            panel, b, j, p, q = n // (3 * L), n % (3 * L) // L, n % L, k // pair, k % pair
             nv = 3 if panel == 0 else 2
-            assert packed[panel * 48 * K + (p * nv + b) * 32 + 2 * j + q] == w[n, k]
+            assert packed[panel * 3 * L * K + (p * nv + b) * L * pair + pair * j + q] == w[n, k]
 
 
-def test_dpbf16_linear_applies_only_to_bf16_batches_of_five_rows_or_more():
+def test_tile_linear_applies_to_bf16_from_five_rows_and_float32_from_one():
     w = torch.zeros(48, 64, dtype=torch.bfloat16)
-    ok = dpbf16_linear.available()
-    assert dpbf16_linear.applies(torch.zeros(5, 64, dtype=torch.bfloat16), w) == ok
-    assert dpbf16_linear.applies(torch.zeros(2048, 64, dtype=torch.bfloat16), w) == ok
-    assert not dpbf16_linear.applies(torch.zeros(4, 64, dtype=torch.bfloat16), w)        # the GEMV's
-    assert not dpbf16_linear.applies(torch.zeros(8, 64), w.float())
-    assert not dpbf16_linear.applies(torch.zeros(8, 63, dtype=torch.bfloat16), torch.zeros(48, 63, dtype=torch.bfloat16))
-    assert not dpbf16_linear.applies(torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(40, 64, dtype=torch.bfloat16))
-    assert not dpbf16_linear.applies(torch.zeros(1, 64, dtype=torch.bfloat16).expand(8, 64), w)   # rows overlap
-    assert not (dpbf16_linear.available() and amx_linear.available())   # one packed kernel per CPU
+    ok = tile_linear.available(torch.bfloat16)
+    assert tile_linear.applies(torch.zeros(5, 64, dtype=torch.bfloat16), w) == ok
+    assert tile_linear.applies(torch.zeros(2048, 64, dtype=torch.bfloat16), w) == ok
+    assert not tile_linear.applies(torch.zeros(4, 64, dtype=torch.bfloat16), w)        # the GEMV's
+    assert tile_linear.applies(torch.zeros(1, 64), w.float()) == tile_linear.available(torch.float32)
+    assert not tile_linear.applies(torch.zeros(8, 64), w)                               # mixed dtypes
+    assert not tile_linear.applies(torch.zeros(8, 63, dtype=torch.bfloat16), torch.zeros(48, 63, dtype=torch.bfloat16))
+    assert not tile_linear.applies(torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(40, 64, dtype=torch.bfloat16))
+    assert not tile_linear.applies(torch.zeros(1, 64, dtype=torch.bfloat16).expand(8, 64), w)   # rows overlap
+    assert not tile_linear.applies(torch.zeros(8, 64, dtype=torch.float16), w.half())
+    assert not (tile_linear.available(torch.bfloat16) and amx_linear.available())   # one packed bf16 kernel per CPU
 
 
-@pytest.mark.skipif(not dpbf16_linear.available(), reason=_NO_DPBF16)
-def test_linear_layer_takes_the_register_tile_path_for_five_rows_or_more(monkeypatch):
-    """The layer sends 5+ bf16 rows to the kernel (spied), 1-4 to the GEMV, and packs again
-    after its weight is edited in place."""
+@_TILE_DTYPES
+def test_linear_layer_takes_the_register_tile_path(dtype, monkeypatch):
+    """The layer sends bf16 products of 5+ rows (1-4: the GEMV) and float32 products of any size
+    to the kernel (spied), and packs again after its weight is edited in place."""
     from tessera.layers.linear import Linear
-    layer = Linear(64, 96, bias=True).bfloat16().requires_grad_(False)
+    layer = Linear(64, 96, bias=True).to(dtype).requires_grad_(False)
     calls = []
-    real = dpbf16_linear.linear
-    monkeypatch.setattr(dpbf16_linear, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    real = tile_linear.linear
+    monkeypatch.setattr(tile_linear, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     with torch.inference_mode():
-        x = torch.randn(12, 64).bfloat16()
+        x = torch.randn(12, 64).to(dtype)
         y = layer(x)
         layer(x[:3])
-        assert calls == [12]
-        torch.testing.assert_close(y.float(), amx_linear.linear_ref(x, layer.weight, layer.bias).float(),
+        assert calls == ([12] if dtype == torch.bfloat16 else [12, 3])
+        torch.testing.assert_close(y.float(), F.linear(x.float(), layer.weight.float(), layer.bias.float()),
                                    rtol=1.6e-2, atol=1e-2)
         layer.weight.mul_(2)
-        assert torch.equal(layer(x), real(x, dpbf16_linear.pack(layer.weight), layer.bias, 96))
+        assert torch.equal(layer(x), real(x, tile_linear.pack(layer.weight), layer.bias, 96))

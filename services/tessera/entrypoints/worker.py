@@ -238,7 +238,7 @@ def _warmed(engine: Engine) -> Engine:
     bos = engine.model_config.bos_token_id or 1
     half = max(1, engine.kv.block_size // 2 - 2)
     # 8 of them: a decode step of 8 rows also packs the weights of the packed-weight linears
-    # (tessera_kernels.amx_linear where the CPU has AMX, dpbf16_linear where it has AVX512-BF16).
+    # (tessera_kernels.amx_linear where the CPU has AMX, tile_linear where it has AVX512-BF16).
     limits = engine.config.scheduler
     rows = min(8, limits.max_num_seqs, limits.max_waiting, engine.kv.num_blocks)
     engine.generate([[bos] * half] * rows, SamplingParams(temperature=0, max_tokens=2))

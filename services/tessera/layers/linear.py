@@ -1,4 +1,4 @@
-"""The dense linear layer of every model: nn.Linear, with the CPU's two faster paths.
+"""The dense linear layer of every model: nn.Linear, with the CPU's faster paths.
 
 - A bf16 product of one to four rows (decode at a small batch, where each weight is read
   once per token) goes to the kernel that streams the weights at the memory's speed
@@ -6,12 +6,12 @@
 - A bf16 product of 5 to 32 rows, where the CPU has AMX, goes to the AMX tile kernel
   (tessera_kernels.amx_linear), which streams the weights faster than oneDNN at these sizes;
   its results equal oneDNN's bit for bit there.
-- A bf16 product of 5 or more rows, where the CPU has AVX512-BF16 and no AMX (AMD Zen 4 and
-  Zen 5), goes to the register-tile kernel (tessera_kernels.dpbf16_linear): those products are
-  bound by the bf16 dot-product units, and oneDNN keeps a fifth to a third of them idle
-  (Zen 4, SmolLM2's 121 linears: 64 rows 53 -> 45 ms, 8 rows 14 -> 9 ms). Its results differ
-  from oneDNN's in the last bit in about one element in 10^4 (another split of the sums).
-  Either kernel's packed copy of the weight is made on first use.
+- A bf16 product of 5 or more rows where the CPU has AVX512-BF16 and no AMX (AMD Zen 4 and
+  Zen 5), and a float32 product of any size where it has AVX2 and FMA, go to the register-tile
+  kernels (tessera_kernels.tile_linear): oneDNN leaves part of the vector units idle there
+  (Zen 4, SmolLM2's 121 linears: bf16 at 64 rows 53 -> 45 ms, float32 at one row 23 -> 16.5
+  ms). Their results differ from oneDNN's in the last bit in about one element in 10^4.
+  Either packed kernel's copy of the weight is made on first use.
 - Any other product goes to oneDNN with the weight reordered once into its blocked layout
   (the reorder inductor's weight freezing does), instead of torch's F.linear, which repacks
   the weight on every call. Measured on AMD EPYC Zen 5 (2 cores), SmolLM2's shapes: bf16 at
@@ -28,11 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera_kernels import amx_linear, dpbf16_linear, gemv_cpu
+from tessera_kernels import amx_linear, gemv_cpu, tile_linear
 
-# Kernels that take the weight packed in their own layout: at most one is available on a CPU
-# (the AMX one where it has AMX, the AVX512-BF16 one where it has that and no AMX).
-_PACKED_KERNELS = (amx_linear, dpbf16_linear)
+# Kernels that take the weight packed in their own layout: for a dtype at most one applies on
+# a CPU (bf16: the AMX one where it has AMX, else the register tiles where it has AVX512-BF16).
+_PACKED_KERNELS = (amx_linear, tile_linear)
 
 
 class Linear(nn.Linear):

@@ -4,7 +4,7 @@
  * dot-product units, not by memory: oneDNN's matmul reached 320 GFLOP/s of the 450 that
  * vdpbf16ps gives on two Zen 4 cores.
  *
- * W is packed once (dpbf16_linear.py) into panels of up to NV_MAX blocks of 16 output columns.
+ * W is packed once (tile_linear.py) into panels of up to NV_MAX blocks of 16 output columns.
  * Within a panel, for each pair of inputs k = 2p, 2p + 1, the blocks lie side by side, each
  * holding the 16 columns' pairs (W[n, 2p], W[n, 2p + 1]) as vdpbf16ps reads them:
  *   packed[panel_start + (p * nv + b) * 32 + 2 * j + q] = W[16 * (NV_MAX * panel + b) + j][2p + q]
@@ -12,7 +12,8 @@
  * it is full. A panel's weights (K * 96 bytes: 147 KiB for K = 1536) stay in L2 while every
  * tile of MR rows of x runs over them; one register tile is MR rows x nv * 16 columns of
  * float32 accumulators, each weight vector feeding MR rows and each broadcast pair of x
- * feeding nv vectors. Each output is one accumulator running over k in order, as oneDNN's.
+ * feeding nv vectors. Each output is one accumulator running over k in order (oneDNN splits
+ * some sums: about one element in 10^4 differs from its result in the last bit).
  */
 #include <stdint.h>
 
@@ -57,13 +58,13 @@ static void tile_any(const uint16_t *x, int64_t xs, const uint16_t *wp, const fl
     }
 }
 
-int dpbf16_linear_built(void) { return 1; }
+int tile_linear_bf16_built(void) { return 1; }
 
 /* x: [M, K] bf16, rows x_stride elements apart; w: packed as above; bias: [N] float32 or NULL;
  * y: [M, N] bf16 contiguous. N a multiple of 16, K even, x_stride >= K. Returns 0, or -1 for
  * shapes out of range. */
-int dpbf16_linear(const uint16_t *x, int64_t x_stride, const uint16_t *w, const float *bias, uint16_t *y,
-                  int M, int N, int K, int threads) {
+int tile_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const float *bias, uint16_t *y,
+                     int M, int N, int K, int threads) {
     if (M < 1 || N % 16 || K % 2 || x_stride < K) return -1;
     const int KP = K / 2, NB = N / 16, panels = (NB + NV_MAX - 1) / NV_MAX;
     for (int m0 = 0; m0 < M; m0 += M_CHUNK) {
@@ -83,9 +84,9 @@ int dpbf16_linear(const uint16_t *x, int64_t x_stride, const uint16_t *w, const 
 }
 
 #else   /* built for a CPU without AVX512-BF16 (TESSERA_MARCH): the Python side sees 0 and uses oneDNN */
-int dpbf16_linear_built(void) { return 0; }
-int dpbf16_linear(const uint16_t *x, int64_t x_stride, const uint16_t *w, const float *bias, uint16_t *y,
-                  int M, int N, int K, int threads) {
+int tile_linear_bf16_built(void) { return 0; }
+int tile_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const float *bias, uint16_t *y,
+                     int M, int N, int K, int threads) {
     (void)x; (void)x_stride; (void)w; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)threads;
     return -1;
 }

@@ -1,0 +1,108 @@
+/* float32 linear by FMA register tiles: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), for any
+ * row count. float32 is `--dtype auto` where the CPU has no native bf16 (AVX2-only and Cascade
+ * Lake machines). There a decode step reads 4 bytes per weight: at one to four rows oneDNN
+ * streamed them at two thirds of what a plain read gets, and at 8 to 64 rows it kept part of
+ * the FMA units idle (AMD Zen 4, SmolLM2's 121 linears: 1 row 23 -> 16.5 ms, 8 rows 25 -> 17 ms,
+ * 64 rows 92 -> 85 ms; with oneDNN held to AVX2 against this kernel built for AVX2, 64 rows
+ * 103 -> 85 ms).
+ *
+ * The same panels as tile_linear_bf16.c, with single inputs instead of pairs and L lanes per
+ * vector (16 with AVX-512, 8 with AVX2):
+ *   packed[panel_start + (k * nv + b) * L + j] = W[L * (NV_MAX * panel + b) + j][k]
+ * A register tile is MR rows x nv vectors of accumulators (8 x 3 of the 32 AVX-512 registers,
+ * 4 x 3 of AVX2's 16), each weight vector feeding MR rows.
+ */
+#include <stdint.h>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+
+#if defined(__AVX512F__)
+#define L 16
+#define MR 8
+typedef __m512 vec;
+#define vzero _mm512_setzero_ps
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vfma _mm512_fmadd_ps
+#define vadd _mm512_add_ps
+#define vbroadcast _mm512_set1_ps
+#else
+#define L 8
+#define MR 4
+typedef __m256 vec;
+#define vzero _mm256_setzero_ps
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vfma _mm256_fmadd_ps
+#define vadd _mm256_add_ps
+#define vbroadcast _mm256_set1_ps
+#endif
+#define NV_MAX 3      /* L-column blocks per panel */
+#define M_CHUNK 256   /* rows of x per pass over the panels */
+
+static inline __attribute__((always_inline)) void tile(const float *x, int64_t xs, const float *wp, const float *bias,
+                                                       float *y, int64_t ys, int K, const int mr, const int nv) {
+    vec acc[MR][NV_MAX];
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < nv; v++) acc[r][v] = vzero();
+    for (int k = 0; k < K; k++) {
+        const float *wk = wp + (int64_t)k * nv * L;
+        vec w[NV_MAX];
+        for (int v = 0; v < nv; v++) w[v] = vload(wk + L * v);
+        for (int r = 0; r < mr; r++) {
+            const vec a = vbroadcast(x[r * xs + k]);
+            for (int v = 0; v < nv; v++) acc[r][v] = vfma(a, w[v], acc[r][v]);
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < nv; v++) vstore(y + r * ys + L * v, bias ? vadd(acc[r][v], vload(bias + L * v)) : acc[r][v]);
+}
+
+/* One call per (rows, blocks) pair, compiled with constant loop bounds (see tile_linear_bf16.c). */
+#define TILE(MRV, NVV) case (MRV) * 4 + (NVV): tile(x, xs, wp, bias, y, ys, K, MRV, NVV); break;
+#define TILES(MRV) TILE(MRV, 1) TILE(MRV, 2) TILE(MRV, 3)
+
+static void tile_any(const float *x, int64_t xs, const float *wp, const float *bias, float *y, int64_t ys, int K,
+                     int mr, int nv) {
+    switch (mr * 4 + nv) {
+        TILES(1) TILES(2) TILES(3) TILES(4)
+#if MR > 4
+        TILES(5) TILES(6) TILES(7) TILES(8)
+#endif
+    }
+}
+
+int tile_linear_f32_lanes(void) { return L; }
+
+/* x: [M, K] float32, rows x_stride elements apart; w: packed as above; bias: [N] or NULL;
+ * y: [M, N] contiguous. N a multiple of L, x_stride >= K. Returns 0, or -1 for shapes out
+ * of range. */
+int tile_linear_f32(const float *x, int64_t x_stride, const float *w, const float *bias, float *y,
+                    int M, int N, int K, int threads) {
+    if (M < 1 || K < 1 || N % L || x_stride < K) return -1;
+    const int NB = N / L, panels = (NB + NV_MAX - 1) / NV_MAX;
+    for (int m0 = 0; m0 < M; m0 += M_CHUNK) {
+        const int m1 = M - m0 < M_CHUNK ? M : m0 + M_CHUNK;
+        #pragma omp parallel for schedule(static) num_threads(threads)
+        for (int pn = 0; pn < panels; pn++) {
+            const int nv = NB - pn * NV_MAX < NV_MAX ? NB - pn * NV_MAX : NV_MAX;
+            const float *wp = w + (int64_t)pn * NV_MAX * K * L;
+            const int n0 = pn * NV_MAX * L;
+            for (int r = m0; r < m1; r += MR) {
+                const int mr = m1 - r < MR ? m1 - r : MR;
+                tile_any(x + r * x_stride, x_stride, wp, bias ? bias + n0 : 0, y + (int64_t)r * N + n0, N, K, mr, nv);
+            }
+        }
+    }
+    return 0;
+}
+
+#else   /* no FMA vectors: the Python side sees 0 lanes and uses oneDNN */
+int tile_linear_f32_lanes(void) { return 0; }
+int tile_linear_f32(const float *x, int64_t x_stride, const float *w, const float *bias, float *y,
+                    int M, int N, int K, int threads) {
+    (void)x; (void)x_stride; (void)w; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)threads;
+    return -1;
+}
+#endif

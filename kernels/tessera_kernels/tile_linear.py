@@ -1,0 +1,102 @@
+"""Linears by register tiles over a weight packed once into panels of output columns
+(csrc/tile_linear_bf16.c, csrc/tile_linear_f32.c), where oneDNN leaves the vector units idle:
+
+- bf16, 5 rows or more, on CPUs with AVX512-BF16 and no AMX (AMD Zen 4 and Zen 5): a decode
+  step at batch 64 and every prompt chunk are bound by the bf16 dot products there, and
+  oneDNN's matmul used 320 of the 450 GFLOP/s two Zen 4 cores give. SmolLM2's 121 linears,
+  Zen 4: 64 rows 53 -> 45 ms, 8 rows 14 -> 9 ms, 2048 rows 1406 -> 1352 ms.
+- float32, any row count, on CPUs with AVX2 and FMA (float32 is --dtype auto where the CPU has
+  no native bf16): 1 row 23 -> 16.5 ms, 64 rows 92 -> 85 ms (Zen 4; see the C source).
+
+Where the CPU has AMX (the AMX kernel and oneDNN run bf16 there) or no such vector units,
+applies() is False and callers keep oneDNN; TESSERA_DISABLE_TILE_LINEAR=1 does the same on
+purpose (A/B measurements).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+
+from tessera_kernels import cbuild
+
+NV_MAX = 3           # column blocks per panel, as in the C sources
+BF16_MIN_ROWS = 5    # below: the bf16 GEMV kernel (gemv_cpu), which streams weights at memory speed
+
+
+@functools.cache
+def _library(dtype: torch.dtype) -> tuple[ctypes.CDLL, int] | None:
+    """The kernel for this dtype and its lanes per vector (the column block's width)."""
+    flags = cbuild.cpu_flags()
+    if os.environ.get("TESSERA_DISABLE_TILE_LINEAR") == "1":
+        return None
+    if dtype == torch.bfloat16:
+        if "avx512_bf16" not in flags or "amx_bf16" in flags:
+            return None
+        lib = cbuild.load("tile_linear_bf16")
+        if lib is None or lib.tile_linear_bf16_built() != 1:
+            return None
+        fn, lanes = lib.tile_linear_bf16, 16
+    elif dtype == torch.float32:
+        if not {"avx2", "fma"} <= flags:
+            return None
+        lib = cbuild.load("tile_linear_f32")
+        lanes = lib.tile_linear_f32_lanes() if lib is not None else 0
+        if lanes == 0:
+            return None
+        fn = lib.tile_linear_f32
+    else:
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+    return fn, lanes
+
+
+def available(dtype: torch.dtype) -> bool:
+    return _library(dtype) is not None
+
+
+def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """bf16 (5 rows or more) or float32 on the CPU, rows each contiguous and at least K apart
+    (not an expanded view), N a multiple of the kernel's column block, bf16's K even, and the
+    kernel built for this CPU."""
+    if not (x.dtype == w.dtype and x.device.type == "cpu" and x.dim() == 2 and w.dim() == 2
+            and x.shape[0] >= (BF16_MIN_ROWS if x.dtype == torch.bfloat16 else 1)
+            and x.stride(1) == 1 and x.stride(0) >= x.shape[1] > 0):
+        return False
+    lib = _library(x.dtype)
+    return lib is not None and w.shape[0] % lib[1] == 0 and w.shape[1] % _pair(w.dtype) == 0
+
+
+def _pair(dtype: torch.dtype) -> int:
+    """Inputs per dot product: vdpbf16ps takes two bf16 inputs a lane, an FMA one float."""
+    return 2 if dtype == torch.bfloat16 else 1
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """W [N, K] in the kernel's panel order (see the C sources): full panels of NV_MAX blocks of
+    L columns as [K / pair, NV_MAX, L, pair], then the last, narrower panel the same way."""
+    N, K = w.shape
+    lanes, pair = _library(w.dtype)[1], _pair(w.dtype)
+    full = N // (lanes * NV_MAX) * lanes * NV_MAX
+    parts = []
+    for start, stop, nv in ((0, full, NV_MAX), (full, N, (N - full) // lanes)):
+        if stop > start:
+            part = w[start:stop].reshape(-1, nv, lanes, K // pair, pair)    # [panel, block, j, p, q]
+            parts.append(part.permute(0, 3, 1, 2, 4).reshape(-1))          # [panel, p, block, j, q]
+    return torch.cat(parts).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, N: int) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias) -> [M, N] in x's dtype, W given packed; callers check applies()
+    first."""
+    M, K = x.shape
+    y = torch.empty(M, N, dtype=x.dtype)
+    b = None if bias is None else bias.float().contiguous()   # both kernels add a float32 bias
+    fn = _library(x.dtype)[0]
+    if fn(x.data_ptr(), x.stride(0), packed.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
+          M, N, K, torch.get_num_threads()) != 0:
+        raise ValueError(f"tile_linear: shapes out of range (M={M}, N={N}, K={K})")
+    return y
