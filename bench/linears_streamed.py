@@ -1,32 +1,42 @@
-"""SmolLM2's 121 decode linears (30 layers of qkv, o, gate_up, down, and the LM head), bf16,
-weights streamed from memory (269 MB: more than the caches keep between passes), oneDNN's
-blocked weights against the AMX tile kernel's packed ones, interleaved in one process.
-    .venv/bin/python bench/linears_streamed.py [rows ...]      # default 8 16 32 64
+"""SmolLM2's 121 decode linears (30 layers of qkv, o, gate_up, down, and the LM head), weights
+streamed from memory (269 MB in bf16: more than the caches keep between passes), oneDNN's
+blocked weights against the packed-weight kernels this CPU has (the AMX tiles, the register
+tiles), interleaved in one process; best of three passes, ms per sweep and GFLOP/s.
+    .venv/bin/python bench/linears_streamed.py [float32] [rows ...]      # bf16; rows 8 16 32 64
 """
 import sys
 import time
 
 import torch
 
-from tessera_kernels import amx_linear
+from tessera_kernels import amx_linear, tile_linear
 
 torch.set_num_threads(2)
+args = sys.argv[1:]
+dtype = torch.float32 if args[:1] == ["float32"] else torch.bfloat16
+rows = [int(a) for a in args if a != "float32"] or [8, 16, 32, 64]
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30 + [(576, 49152)]   # (K, N)
-weights = [torch.randn(N, K, dtype=torch.bfloat16) for K, N in SHAPES]
+FLOPS_PER_ROW = sum(2 * K * N for K, N in SHAPES)
+weights = [torch.randn(N, K).to(dtype) for K, N in SHAPES]
 onednn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
-tiles = [amx_linear.pack(w) for w in weights] if amx_linear.available() else None
-for M in [int(a) for a in sys.argv[1:]] or [8, 16, 32, 64]:
-    xs = {K: torch.randn(M, K, dtype=torch.bfloat16) for K, _ in SHAPES}
+kernels = {name: (k, [k.pack(w) for w in weights]) for name, k, ok in
+           (("AMX tiles", amx_linear, dtype == torch.bfloat16 and amx_linear.available()),
+            ("register tiles", tile_linear, tile_linear.available(dtype))) if ok}
+for M in rows:
+    xs = {K: torch.randn(M, K).to(dtype) for K, _ in SHAPES}
     runs = {"oneDNN": lambda: [torch.ops.mkldnn._linear_pointwise(xs[K], w, None, "none", [], "")
                                for (K, _), w in zip(SHAPES, onednn)]}
-    if tiles is not None:
-        runs["AMX tiles"] = lambda: [amx_linear.linear(xs[K], w, None, N) for (K, N), w in zip(SHAPES, tiles)]
+    for name, (k, packed) in kernels.items():
+        if k.applies(xs[576], weights[0]):
+            runs[name] = lambda k=k, packed=packed: [k.linear(xs[K], w, None, N) for (K, N), w in zip(SHAPES, packed)]
     times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(2):                       # interleaved: the machine drifts within minutes
+    reps = max(2, 320 // M)
+    for _ in range(3):                       # interleaved: the machine drifts within minutes
         for name, run in runs.items():
             run()
             t = time.perf_counter()
-            for _ in range(10):
+            for _ in range(reps):
                 run()
-            times[name].append((time.perf_counter() - t) / 10 * 1e3)
-    print(f"{M} rows: " + ", ".join(f"{n} {' / '.join(f'{v:.1f}' for v in ts)} ms" for n, ts in times.items()))
+            times[name].append((time.perf_counter() - t) / reps * 1e3)
+    print(f"{M} rows, {dtype}: " + ", ".join(f"{n} {min(ts):.1f} ms ({FLOPS_PER_ROW * M / min(ts) / 1e6:.0f} GFLOP/s)"
+                                           for n, ts in times.items()), flush=True)
