@@ -261,7 +261,9 @@ def test_the_quantized_gemvs_and_float32_kernels_built_for_avx2_pass_the_same_te
                           "-k", "(q4 or q8 or float32) and not avx2"], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "passed" in run.stdout
-    assert all(list((tmp_path / "kernels").glob(f"{name}-*.so")) for name in ("gemv_quant", "elementwise_f32", "tile_linear_f32"))
+    from tessera_kernels import cbuild
+    built = ("gemv_quant", "elementwise_f32") + (("tile_linear_f32",) if {"avx2", "fma"} <= cbuild.cpu_flags() else ())
+    assert all(list((tmp_path / "kernels").glob(f"{name}-*.so")) for name in built)
 
 
 @pytest.mark.parametrize("B,V", [(1, 49152), (5, 77), (3, 16), (2, 5)])
@@ -440,11 +442,13 @@ _TILE_DTYPES = pytest.mark.parametrize("dtype", [
 
 
 @_TILE_DTYPES
-@pytest.mark.parametrize("M", [1, 5, 8, 9, 64, 300])
-@pytest.mark.parametrize("N,K,bias", [(960, 576, False), (576, 1536, True), (32, 34, True), (16, 2, False)])
+@pytest.mark.parametrize("M", [1, 5, 7, 8, 9, 64, 259, 300])
+@pytest.mark.parametrize("N,K,bias", [(960, 576, False), (576, 1536, True), (80, 64, True), (32, 34, True),
+                                      (16, 2, False)])
 def test_tile_linear_matches_its_reference_and_onednn(dtype, M, N, K, bias):
-    """Row counts on and off the register tiles and past one 256-row chunk, full and narrower
-    last panels (N = 960, 32, 16), a bias, and x a view whose rows are further apart than K:
+    """Row counts on and off the register tiles (every tail of the 8- and 4-row tiles) and past
+    one 256-row chunk, full panels, a full one then a narrower one (N = 80 with 16 lanes: 3 + 2
+    blocks), narrow ones alone (32, 16), a bias, and x a view whose rows are further apart than K:
     close to the float64 product of the same values (bf16: rounded once), and to oneDNN's linear
     (bf16: but for last-bit differences in a few elements, another split of the sums)."""
     if dtype == torch.bfloat16 and M < tile_linear.BF16_MIN_ROWS:
@@ -463,7 +467,7 @@ def test_tile_linear_matches_its_reference_and_onednn(dtype, M, N, K, bias):
         assert ((y.double() - exact).abs() <= bound).all() and ((onednn.double() - exact).abs() <= bound).all()
         return
     torch.testing.assert_close(y.float(), exact.float(), rtol=1.6e-2, atol=1e-2)
-    assert (y != onednn).float().mean().item() <= 1e-3
+    assert (y != onednn).sum().item() <= max(2, 1e-3 * y.numel())
     # a bf16 step at most, or float32 summation noise where the sum nearly cancels
     one_step = torch.maximum(y.float().abs(), onednn.float().abs()) * 2.0 ** -7 + 1e-3
     assert ((y.float() - onednn.float()).abs() <= one_step).all()
@@ -473,11 +477,12 @@ def test_tile_linear_matches_its_reference_and_onednn(dtype, M, N, K, bias):
 def test_tile_linear_pack_puts_each_weight_where_the_c_source_says(dtype):
     """packed[panel_start + (p * nv + b) * L * pair + pair * j + q] = W[L (3 panel + b) + j][pair p + q]
     (pair: 2 inputs per bf16 dot product, 1 per float32 FMA), the last panel narrower (5 blocks:
-    a full panel of 3, then one of 2)."""
+    a full panel of 3, then one of 2). Random bit patterns, compared as bits: no two alike."""
     L, pair = tile_linear._library(dtype)[1], tile_linear._pair(dtype)
     N, K = 5 * L, 6
-    w = torch.arange(N * K, dtype=torch.float32).reshape(N, K).to(dtype)   # exact in bf16 below 256
-    packed = tile_linear.pack(w)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    w = torch.randperm(N * K, generator=torch.Generator().manual_seed(1)).to(bits).reshape(N, K) + 1000
+    packed = tile_linear.pack(w.view(dtype)).view(bits)
     assert packed.numel() == N * K
     for n in range(N):
         for k in range(K):
@@ -498,6 +503,8 @@ def test_tile_linear_applies_to_bf16_from_five_rows_and_float32_from_one():
     assert not tile_linear.applies(torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(40, 64, dtype=torch.bfloat16))
     assert not tile_linear.applies(torch.zeros(1, 64, dtype=torch.bfloat16).expand(8, 64), w)   # rows overlap
     assert not tile_linear.applies(torch.zeros(8, 64, dtype=torch.float16), w.half())
+    assert not tile_linear.applies(torch.zeros(8, 128, dtype=torch.bfloat16), w)          # x wider than W
+    assert not tile_linear.applies(torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(0, 64, dtype=torch.bfloat16))
     assert not (tile_linear.available(torch.bfloat16) and amx_linear.available())   # one packed bf16 kernel per CPU
 
 

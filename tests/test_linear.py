@@ -10,10 +10,11 @@ import torch.nn.functional as F
 from tessera.layers.linear import Linear, onednn_supports
 
 
-def _layer(dtype: torch.dtype, bias: bool) -> Linear:
-    """36 outputs: no register-tile kernel takes them (tile_linear wants 8 or 16 per block)."""
+def _layer(dtype: torch.dtype, bias: bool, out_features: int = 36) -> Linear:
+    """36 outputs: no register-tile kernel takes them (tile_linear wants 8 or 16 per block);
+    48: the float32 one does where it is built."""
     torch.manual_seed(0)
-    layer = Linear(96, 36, bias=bias).to(dtype)
+    layer = Linear(96, out_features, bias=bias).to(dtype)
     layer.requires_grad_(False)
     return layer
 
@@ -47,12 +48,19 @@ def test_weight_edited_or_replaced_after_first_use_is_not_stale():
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-2, atol=1e-2)
 
 
-def test_copies_and_autograd_take_the_plain_path():
-    layer = _layer(torch.float32, bias=True)
+@pytest.mark.parametrize("out_features", [36, 48])
+def test_copies_and_autograd_take_the_plain_path(out_features):
+    """Both on the oneDNN path (36) and on a layer the float32 register tiles take (48): a copy
+    makes its own derived weights, and a product that needs gradients (for the weight, or for
+    the bias alone) is recorded by torch."""
+    layer = _layer(torch.float32, bias=True, out_features=out_features)
     x = torch.randn(8, 96)
     layer(x)
     twin = copy.deepcopy(layer)                                 # an opaque tensor cannot be copied
     torch.testing.assert_close(twin(x), layer(x), rtol=1e-5, atol=1e-5)
+    layer.bias.requires_grad_(True)
+    layer(x).sum().backward()
+    assert layer.bias.grad is not None and torch.equal(layer.bias.grad, torch.full((out_features,), 8.0))
     layer.requires_grad_(True)
     layer(x).sum().backward()
     assert layer.weight.grad is not None and layer.weight.grad.shape == layer.weight.shape

@@ -44,7 +44,7 @@ def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     expanded view), N and K multiples of 32, and the kernel built for AMX."""
     return (x.dtype == w.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2
             and MIN_ROWS <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1 and x.stride(0) >= x.shape[1]
-            and w.dim() == 2 and w.is_contiguous()
+            and w.dim() == 2 and w.is_contiguous() and x.shape[1] == w.shape[1]
             and w.shape[0] % 32 == 0 and w.shape[1] % 32 == 0 and available())
 
 

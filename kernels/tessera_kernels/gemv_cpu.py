@@ -40,7 +40,8 @@ def available() -> bool:
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the kernel takes this product: bf16 on the CPU, few rows, K a multiple of 16."""
     return (x.dtype == w.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2
-            and 1 <= x.shape[0] <= MAX_ROWS and w.shape[1] % 16 == 0 and w.is_contiguous()
+            and 1 <= x.shape[0] <= MAX_ROWS and x.shape[1] == w.shape[1] and w.shape[1] % 16 == 0
+            and w.is_contiguous()
             and available())
 
 

@@ -4,12 +4,12 @@
 - bf16, 5 rows or more, on CPUs with AVX512-BF16 and no AMX (AMD Zen 4 and Zen 5): a decode
   step at batch 64 and every prompt chunk are bound by the bf16 dot products there, and
   oneDNN's matmul used 320 of the 450 GFLOP/s two Zen 4 cores give. SmolLM2's 121 linears,
-  Zen 4: 64 rows 53 -> 45 ms, 8 rows 14 -> 9 ms, 2048 rows 1406 -> 1352 ms.
+  Zen 4: 64 rows 49-55 -> 42-44 ms, 8 rows 14-16 -> 8-9.4 ms, 2048 rows 1406 -> 1352 ms.
 - float32, any row count, on CPUs with AVX2 and FMA (float32 is --dtype auto where the CPU has
-  no native bf16): 1 row 23 -> 16.5 ms, 64 rows 92 -> 85 ms (Zen 4; see the C source).
+  no native bf16): 1 row 22-23 -> 11-16.5 ms, 64 rows 92-97 -> 83-85 ms (Zen 4; see the C source).
 
-Where the CPU has AMX (the AMX kernel and oneDNN run bf16 there) or no such vector units,
-applies() is False and callers keep oneDNN; TESSERA_DISABLE_TILE_LINEAR=1 does the same on
+For bf16 where the CPU has AMX (the AMX kernel and oneDNN run bf16 there), and for either dtype
+where it lacks the vector units, applies() is False and callers keep oneDNN; TESSERA_DISABLE_TILE_LINEAR=1 does the same on
 purpose (A/B measurements).
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _library(dtype: torch.dtype) -> tuple[ctypes.CDLL, int] | None:
             return None
         lib = cbuild.load("tile_linear_f32")
         lanes = lib.tile_linear_f32_lanes() if lib is not None else 0
-        if lanes == 0:
+        if lanes == 0 or (lanes == 16 and "avx512f" not in flags):   # a TESSERA_MARCH wider than the CPU
             return None
         fn = lib.tile_linear_f32
     else:
@@ -62,9 +62,10 @@ def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     """bf16 (5 rows or more) or float32 on the CPU, rows each contiguous and at least K apart
     (not an expanded view), N a multiple of the kernel's column block, bf16's K even, and the
     kernel built for this CPU."""
-    if not (x.dtype == w.dtype and x.device.type == "cpu" and x.dim() == 2 and w.dim() == 2
+    if not (x.dtype == w.dtype and x.device.type == w.device.type == "cpu" and x.dim() == 2 and w.dim() == 2
             and x.shape[0] >= (BF16_MIN_ROWS if x.dtype == torch.bfloat16 else 1)
-            and x.stride(1) == 1 and x.stride(0) >= x.shape[1] > 0):
+            and x.shape[1] == w.shape[1] > 0 and w.shape[0] > 0
+            and x.stride(1) == 1 and x.stride(0) >= x.shape[1]):
         return False
     lib = _library(x.dtype)
     return lib is not None and w.shape[0] % lib[1] == 0 and w.shape[1] % _pair(w.dtype) == 0
@@ -93,6 +94,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, N: 
     """x [M, K] @ W^T (+ bias) -> [M, N] in x's dtype, W given packed; callers check applies()
     first."""
     M, K = x.shape
+    if packed.dtype != x.dtype or packed.numel() != N * K:
+        raise ValueError(f"tile_linear: a packed weight of {packed.numel()} {packed.dtype} for x {tuple(x.shape)} and N={N}")
     y = torch.empty(M, N, dtype=x.dtype)
     b = None if bias is None else bias.float().contiguous()   # both kernels add a float32 bias
     fn = _library(x.dtype)[0]

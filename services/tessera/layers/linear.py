@@ -9,10 +9,11 @@
 - A bf16 product of 5 or more rows where the CPU has AVX512-BF16 and no AMX (AMD Zen 4 and
   Zen 5), and a float32 product of any size where it has AVX2 and FMA, go to the register-tile
   kernels (tessera_kernels.tile_linear): oneDNN leaves part of the vector units idle there
-  (Zen 4, SmolLM2's 121 linears: bf16 at 64 rows 53 -> 45 ms, float32 at one row 23 -> 16.5
-  ms). Their results differ from oneDNN's in the last bit in about one element in 10^4.
+  (Zen 4, SmolLM2's 121 linears: bf16 at 64 rows 49-55 -> 42-44 ms, float32 at one row
+  22-23 -> 11-16.5 ms). Their results differ from oneDNN's in the last bit in about one element in 10^4.
   Either packed kernel's copy of the weight is made on first use.
-- Any other product goes to oneDNN with the weight reordered once into its blocked layout
+- Any other product (bf16 at 33+ rows on AMX, float32 where the register tiles are not built,
+  shapes they do not take) goes to oneDNN with the weight reordered once into its blocked layout
   (the reorder inductor's weight freezing does), instead of torch's F.linear, which repacks
   the weight on every call. Measured on AMD EPYC Zen 5 (2 cores), SmolLM2's shapes: bf16 at
   64 rows 400 -> 750-800 GFLOP/s, at 512 rows 800 -> 950; float32 at 64 rows 175 -> 440.
@@ -45,8 +46,8 @@ class Linear(nn.Linear):
         if x.dim() == 2 and gemv_cpu.applies(x, self.weight):
             return gemv_cpu.gemv_bf16(x, self.weight, self.bias)
         kernel = next((k for k in _PACKED_KERNELS if k.applies(x, self.weight)), None)
-        if kernel is not None and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
-            key = self._weight_key()
+        if kernel is not None and not self._needs_autograd(x):
+            key = (kernel.__name__, *self._weight_key())
             if self._packed is None or self._packed_of != key:
                 self._packed, self._packed_of = kernel.pack(self.weight.detach()), key
             return kernel.linear(x, self._packed, self.bias, self.weight.shape[0])
@@ -59,8 +60,7 @@ class Linear(nn.Linear):
         """oneDNN's copy of the weight, or None where that path does not apply (autograd,
         another device or dtype, a CPU without oneDNN bf16)."""
         w = self.weight
-        if (x.dtype != w.dtype or not onednn_supports(w.dtype) or w.device.type != "cpu"
-                or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+        if x.dtype != w.dtype or not onednn_supports(w.dtype) or w.device.type != "cpu" or self._needs_autograd(x):
             return None
         key = self._weight_key()
         if self._blocked is None or self._blocked_of != key:
@@ -68,11 +68,16 @@ class Linear(nn.Linear):
             self._blocked_of = key
         return self._blocked
 
+    def _needs_autograd(self, x: torch.Tensor) -> bool:
+        """Whether this product must be recorded for backward (the kernels are not)."""
+        return torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad
+                                            or (self.bias is not None and self.bias.requires_grad))
+
     def _weight_key(self) -> tuple:
         """Changes when the weight is replaced, or edited in place (an inference tensor keeps
         no version count): the derived copies are made again."""
         w = self.weight
-        return w.data_ptr(), 0 if w.is_inference() else w._version, tuple(w.shape)
+        return w.data_ptr(), 0 if w.is_inference() else w._version, w.dtype, tuple(w.shape), w.stride()
 
     def __getstate__(self) -> dict:
         """Copies and pickles leave the derived weights behind (oneDNN's opaque tensor has no
