@@ -9,8 +9,8 @@
   no native bf16): 1 row 22-23 -> 11-16.5 ms, 64 rows 92-97 -> 83-85 ms (Zen 4; see the C source).
 
 For bf16 where the CPU has AMX (the AMX kernel and oneDNN run bf16 there), and for either dtype
-where it lacks the vector units, applies() is False and callers keep oneDNN; TESSERA_DISABLE_TILE_LINEAR=1 does the same on
-purpose (A/B measurements).
+where it lacks the vector units, applies() is False and callers keep oneDNN;
+TESSERA_DISABLE_TILE_LINEAR=1 does the same on purpose (A/B measurements).
 """
 from __future__ import annotations
 

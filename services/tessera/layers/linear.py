@@ -10,8 +10,8 @@
   Zen 5), and a float32 product of any size where it has AVX2 and FMA, go to the register-tile
   kernels (tessera_kernels.tile_linear): oneDNN leaves part of the vector units idle there
   (Zen 4, SmolLM2's 121 linears: bf16 at 64 rows 49-55 -> 42-44 ms, float32 at one row
-  22-23 -> 11-16.5 ms). Their results differ from oneDNN's in the last bit in about one element in 10^4.
-  Either packed kernel's copy of the weight is made on first use.
+  22-23 -> 11-16.5 ms). Their results differ from oneDNN's in the last bit in about one
+  element in 10^4. Either packed kernel's copy of the weight is made on first use.
 - Any other product (bf16 at 33+ rows on AMX, float32 where the register tiles are not built,
   shapes they do not take) goes to oneDNN with the weight reordered once into its blocked layout
   (the reorder inductor's weight freezing does), instead of torch's F.linear, which repacks
