@@ -101,6 +101,31 @@ static inline __attribute__((always_inline)) void attend(const v16 *qv, const ui
     for (int g = 0; g < G; g++) maxv[g] = (v16){0} - INFINITY;
     for (int64_t t0 = 0; t0 < L; t0 += 16) {
         const int m = L - t0 < 16 ? (int)(L - t0) : 16;
+#if HAVE_DOT_BF16
+        if (qh != NULL && m == 16) {
+            /* A whole chunk, one query head at a time: its 16 partial sums stay in registers
+             * (all heads' would not fit), each K row read from L1 once per head. */
+            const uint16_t *k[16];
+            for (int j = 0; j < 16; j++) {
+                const int64_t t = t0 + j;
+                if (t + AHEAD < L) {
+                    const int64_t ahead = slot_of(table, t + AHEAD, block_size);
+                    prefetch_row(kh, ahead, row_bytes);
+                    prefetch_row_l2(vh, ahead, row_bytes);
+                }
+                k[j] = (const uint16_t *)kh + slot_of(table, t, block_size) * D;
+            }
+            for (int g = 0; g < G; g++) {
+                v16 pr[16];
+                #pragma GCC unroll 16
+                for (int j = 0; j < 16; j++) pr[BITREV4[j]] = dot_bf16(qh + g * D, k[j], D);
+                const v16 s = sum16x16(pr) * scale;
+                memcpy(scores + g * Lp + t0, &s, sizeof s);
+                maxv[g] = vmax(maxv[g], s);
+            }
+            continue;
+        }
+#endif
         for (int j = 0; j < 16; j++) {
             if (j >= m) {
                 for (int g = 0; g < G; g++) part[g * 16 + BITREV4[j]] = (v16){0};
