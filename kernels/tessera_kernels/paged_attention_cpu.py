@@ -17,8 +17,11 @@ from tessera_kernels import cbuild
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               block_size: int, scale: float) -> torch.Tensor:
-    """q [B, H, D]; caches [KV, S, D]; block_tables [B, W]; context_lens [B] -> [B, H, D]."""
+                               block_size: int, scale: float, bf16_probs: bool = False) -> torch.Tensor:
+    """q [B, H, D]; caches [KV, S, D]; block_tables [B, W]; context_lens [B] -> [B, H, D].
+    bf16_probs: the softmax's numerators rounded to bf16 before they weight V, the sum kept
+    unrounded (what the C kernel does with a bf16 cache where probabilities_in_bf16(), and
+    torch's SDPA for bf16)."""
     B, H, D = q.shape
     KV = k_cache.shape[0]
     out = torch.empty_like(q)
@@ -28,8 +31,12 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         slots = block_tables[b, t // block_size] * block_size + t % block_size
         k = k_cache[:, slots].repeat_interleave(H // KV, dim=0)       # [H, L, D]
         v = v_cache[:, slots].repeat_interleave(H // KV, dim=0)
-        p = torch.softmax((q[b].unsqueeze(1) @ k.transpose(1, 2)).squeeze(1) * scale, dim=-1)
-        out[b] = (p.unsqueeze(1) @ v).squeeze(1)
+        s = (q[b].unsqueeze(1) @ k.transpose(1, 2)).squeeze(1) * scale
+        if bf16_probs:
+            e = torch.exp(s - s.amax(-1, keepdim=True))
+            out[b] = (e.bfloat16().to(e.dtype).unsqueeze(1) @ v).squeeze(1) / e.sum(-1, keepdim=True)
+        else:
+            out[b] = (torch.softmax(s, dim=-1).unsqueeze(1) @ v).squeeze(1)
     return out
 
 
@@ -38,6 +45,7 @@ def _library() -> ctypes.CDLL | None:
     lib = cbuild.load("paged_decode_attention")
     if lib is not None:
         lib.paged_decode_attention.restype = None
+        lib.probabilities_in_bf16.restype = ctypes.c_int
         lib.paged_decode_attention.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int] * 6
                                                + [ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int])
     return lib
@@ -48,6 +56,13 @@ def available() -> bool:
     return _library() is not None
 
 
+def probabilities_in_bf16(head_dim: int) -> bool:
+    """Whether the built kernel, with a bf16 cache and this head size, rounds the softmax's
+    numerators to bf16 before the V pass (AVX512-BF16 builds, head sizes a multiple of 32)."""
+    lib = _library()
+    return lib is not None and bool(lib.probabilities_in_bf16()) and head_dim % 32 == 0
+
+
 def supports(head_dim: int) -> bool:
     """The kernel works on 16 floats at a time (one AVX-512 register, two AVX2 ones)."""
     return head_dim % 16 == 0 and head_dim <= 256
@@ -56,9 +71,9 @@ def supports(head_dim: int) -> bool:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            block_size: int, scale: float) -> torch.Tensor:
-    """The C kernel; same contract as paged_decode_attention_ref. The caches are float32 or
-    bfloat16; q and the result are in the caches' dtype (the kernel reads and writes them as
-    they are), the arithmetic is float32."""
+    """The C kernel; same contract as paged_decode_attention_ref (with bf16_probs where
+    probabilities_in_bf16). The caches are float32 or bfloat16; q and the result are in the
+    caches' dtype (the kernel reads and writes them as they are), the arithmetic is float32."""
     B, H, D = q.shape
     KV, S, Dk = k_cache.shape
     dtype = k_cache.dtype
