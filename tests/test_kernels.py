@@ -56,6 +56,23 @@ def test_paged_decode_attention_bf16_cache(H, KV, D, bs):
     assert ((out.double() - ref64).abs() <= bf16_rounding + one_flip + 1e-5).all()
 
 
+@pytest.mark.skipif(not pa.available(), reason="no C compiler for the CPU kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention_reads_q_in_place(dtype):
+    """q as the model passes it, a view of the fused QKV output (tokens (H + 2 KV) * D apart):
+    the same bits as from a contiguous copy."""
+    g = torch.Generator().manual_seed(7)
+    H, KV, D, bs, B = 9, 3, 64, 16, 6
+    k_cache = torch.randn(KV, 32 * bs, D, generator=g).to(dtype)
+    v_cache = torch.randn(KV, 32 * bs, D, generator=g).to(dtype)
+    lens = torch.tensor([1, 5, 16, 17, 40, 70])
+    tables = torch.randperm(32, generator=g)[:B * 5].view(B, 5)
+    q = torch.randn(B, H + 2 * KV, D, generator=g).to(dtype)[:, :H]
+    assert not q.is_contiguous()
+    out = pa.paged_decode_attention(q, k_cache, v_cache, tables, lens, bs, D ** -0.5)
+    assert torch.equal(out, pa.paged_decode_attention(q.contiguous(), k_cache, v_cache, tables, lens, bs, D ** -0.5))
+
+
 def _largest_term(q, k_cache, v_cache, tables, lens, bs):
     """[B, H, D]: the largest |p_t v_t| / sum(p) of each output, the most one probability's
     rounding can move it by (per ulp)."""

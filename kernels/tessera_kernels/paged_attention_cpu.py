@@ -47,7 +47,8 @@ def _library() -> ctypes.CDLL | None:
         lib.paged_decode_attention.restype = None
         lib.probabilities_in_bf16.restype = ctypes.c_int
         lib.paged_decode_attention.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int] * 6
-                                               + [ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int])
+                                               + [ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int,
+                                                  ctypes.c_int64])
     return lib
 
 
@@ -84,14 +85,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     lib = _library()
     assert lib is not None, "kernel unavailable: use paged_decode_attention_ref"
-    q = q.contiguous()
+    if q.stride(2) != 1 or q.stride(1) != D:
+        q = q.contiguous()
     block_tables = block_tables.contiguous()
     context_lens = context_lens.contiguous()
-    out = torch.empty_like(q)
+    out = torch.empty(B, H, D, dtype=dtype)
     lib.paged_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(),
                                B, H, KV, D, block_tables.shape[1], block_size, S, scale,
-                               torch.get_num_threads(), int(dtype == torch.bfloat16))
+                               torch.get_num_threads(), int(dtype == torch.bfloat16), q.stride(0))
     return out
 
 

@@ -278,11 +278,13 @@ static void attend_any(const v16 *qv, const uint16_t *qh, const char *kh, const 
 /* 1 when this build rounds a bf16 cache's probabilities to bf16 (v_pass_bf16), else 0. */
 int probabilities_in_bf16(void) { return HAVE_DOT_BF16; }
 
-/* q, out: [B, H, D] and caches [KV, S, D], all float32 (bf16 = 0) or all bfloat16 (bf16 = 1). */
+/* q, out: [B, H, D] and caches [KV, S, D], all float32 (bf16 = 0) or all bfloat16 (bf16 = 1);
+ * q's tokens q_stride elements apart (its heads contiguous: a view of the fused QKV output
+ * needs no copy), out contiguous. */
 void paged_decode_attention(const void *q, const void *k_cache, const void *v_cache,
                             const int64_t *block_tables, const int64_t *context_lens,
                             void *out, int B, int H, int KV, int D, int W, int block_size,
-                            int64_t S, float scale, int num_threads, int bf16) {
+                            int64_t S, float scale, int num_threads, int bf16, int64_t q_stride) {
     const int G = H / KV, n = D / 16;
     const size_t elem = bf16 ? 2 : 4, row_bytes = D * elem;
     int64_t max_len = 0;
@@ -308,9 +310,10 @@ void paged_decode_attention(const void *q, const void *k_cache, const void *v_ca
                 next = (next_task){(const char *)k_cache + (int64_t)(after % KV) * S * row_bytes,
                                    block_tables + (int64_t)(after / KV) * W, context_lens[after / KV]};
             const int64_t head0 = (int64_t)b * H + (int64_t)kv * G;
+            const char *qg = (const char *)q + ((int64_t)b * q_stride + (int64_t)kv * G * D) * elem;
             for (int g = 0; g < G; g++)
-                load_row((const char *)q, head0 + g, D, bf16, qv + g * n);
-            const uint16_t *qh = bf16 && D % 32 == 0 && HAVE_DOT_BF16 ? (const uint16_t *)q + head0 * D : NULL;
+                load_row(qg, g, D, bf16, qv + g * n);
+            const uint16_t *qh = bf16 && D % 32 == 0 && HAVE_DOT_BF16 ? (const uint16_t *)qg : NULL;
             attend_any(qv, qh, (const char *)k_cache + (int64_t)kv * S * row_bytes,
                    (const char *)v_cache + (int64_t)kv * S * row_bytes, block_tables + (int64_t)b * W,
                    context_lens[b], G, D, block_size, scale, bf16, row_bytes, acc, part, scores, Lp, next);

@@ -50,7 +50,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             tables, lens = batch.causal_block_tables, batch.causal_context_lens
         else:
             tables, lens = batch.decode_block_tables, batch.decode_context_lens
-        qr = q.contiguous() if out is None else q[rows]      # rows ascend: all of them is every token
+        qr = q if out is None else q[rows]      # rows ascend: all of them is every token
         res = (paged_attention_cpu.paged_decode_attention(qr, k_cache, v_cache, tables, lens, batch.block_size, scale)
                if kernel else _decode_gathered(qr, k_cache, v_cache, batch, scale))
         if out is None:
@@ -63,7 +63,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         s, n = chunk.token_start, chunk.num_tokens
         if kernel and chunk.row_slots is not None and (masks is None or masks[j] is None):
             out[s:s + n] = paged_attention_cpu.paged_decode_attention(
-                q[s:s + n].contiguous(), k_cache, v_cache, chunk.row_slots, chunk.row_lens, 1, scale)
+                q[s:s + n], k_cache, v_cache, chunk.row_slots, chunk.row_lens, 1, scale)
             continue
         mask = chunk.mask if masks is None or masks[j] is None else masks[j]
         if chunk.context_slots is None and mask is None:
