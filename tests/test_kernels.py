@@ -73,6 +73,43 @@ def test_paged_decode_attention_reads_q_in_place(dtype):
     assert torch.equal(out, pa.paged_decode_attention(q.contiguous(), k_cache, v_cache, tables, lens, bs, D ** -0.5))
 
 
+@pytest.mark.skipif(not pa.available(), reason="no C compiler for the CPU kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H,KV,D", [(9, 3, 64), (6, 2, 128), (4, 4, 32)])
+def test_paged_decode_attention_prompt_chunk_rows(dtype, H, KV, D):
+    """Rows as a step passes them: prompt chunks (each token a row whose context ends at
+    itself: 37 rows from position 0, 10 after 20 cached tokens, 3 from position 0) between
+    decode rows. Runs of a chunk's rows go in tiles of up to 16 (bf16 on AVX512-BF16; the
+    37 rows are tiles of 16, 16 and 5, the 3 rows stay rows); the result is the reference's
+    as for single rows. (4, 4, 32) takes the tile code without constant shapes."""
+    g = torch.Generator().manual_seed(H * 10 + D)
+    bs, num_blocks = 8, 64
+    k_cache = torch.randn(KV, num_blocks * bs, D, generator=g).to(dtype)
+    v_cache = torch.randn(KV, num_blocks * bs, D, generator=g).to(dtype)
+    blocks = torch.randperm(num_blocks, generator=g)
+    request_tables = [blocks[0:6], blocks[6:10], blocks[10:11], blocks[11:16], blocks[16:20]]
+    rows = [(1, 25), (0, None), (2, None), (3, 33), (4, None)]   # (request, decode context or None: its chunk)
+    chunks = {0: (0, 37), 2: (0, 3), 4: (20, 10)}                # request: (start position, tokens)
+    lens, tables = [], []
+    for req, ctx in rows:
+        span = [ctx] if ctx is not None else range(chunks[req][0] + 1, sum(chunks[req]) + 1)
+        for length in span:
+            lens.append(length)
+            tables.append(torch.nn.functional.pad(request_tables[req], (0, 6 - len(request_tables[req]))))
+    lens, tables = torch.tensor(lens), torch.stack(tables)
+    q = torch.randn(len(lens), H, D, generator=g).to(dtype)
+    out = pa.paged_decode_attention(q, k_cache, v_cache, tables, lens, bs, D ** -0.5)
+    rounded = dtype == torch.bfloat16 and pa.probabilities_in_bf16(D)
+    ref64 = pa.paged_decode_attention_ref(q.double(), k_cache.double(), v_cache.double(), tables, lens, bs,
+                                          D ** -0.5, bf16_probs=rounded)
+    if dtype == torch.float32:
+        ref32 = pa.paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, bs, D ** -0.5)
+        assert (out.double() - ref64).abs().max() <= 2 * (ref32.double() - ref64).abs().max() + 1e-6
+    else:
+        one_flip = 2.0 ** -7 * _largest_term(q, k_cache, v_cache, tables, lens, bs) if rounded else 0
+        assert ((out.double() - ref64).abs() <= ref64.abs() * 2.0 ** -8 + one_flip + 1e-5).all()
+
+
 def _largest_term(q, k_cache, v_cache, tables, lens, bs):
     """[B, H, D]: the largest |p_t v_t| / sum(p) of each output, the most one probability's
     rounding can move it by (per ulp)."""

@@ -53,6 +53,8 @@ static inline v16 dot_bf16(const uint16_t *q, const uint16_t *k, int D) {
  * rows AHEAD tokens on now (measured: the kernel waited on these loads). */
 #define AHEAD 16
 #define MAX_ACC 1024   /* G * D / 16: at most 64 query heads of 256 */
+#define TILE 16        /* rows of a prompt chunk attended together (attend_tile) */
+#define TILE_MIN 4     /* a shorter run of a chunk's rows goes row by row */
 
 /* block_size is a power of two (CacheConfig checks): a shift and a mask, not a division,
  * which would cost as much as the dot products of a row. */
@@ -137,6 +139,142 @@ static inline __attribute__((always_inline)) void v_pass_bf16(const char *vh, co
         }
     }
 }
+
+/* Rows of one prompt chunk, up to 16 at a time (a tile): row i attends to the first L0 + i
+ * tokens of the same context. Done row by row, each row would read every K row again and sum
+ * each score's 16 partial products across lanes; a tile makes the rows the lanes instead:
+ * q packed as pairs of columns per row, each K pair broadcast, so one vdpbf16ps adds a column
+ * pair of 16 rows' scores and no score needs a sum across lanes. All scores of the tile go to
+ * `scores` first (the max per row is then exact, as in the row kernel, not a running one);
+ * the V pass is v_pass_bf16's, per row, with the tile's K/V rows read once for all of them. */
+
+typedef struct {
+    float *scores;     /* [G][Lp][TILE] */
+    uint32_t *qpack;   /* [G][D/2][TILE] */
+    __m512 *vpairs;    /* [TILE/2][D/16]: two V rows interleaved, in v_pass_bf16's lane order */
+    uint32_t *ppairs;  /* [TILE/2][TILE]: two tokens' probabilities per row, bf16 */
+    __m512 *acc;       /* [TILE][G][D/16] */
+} tile_buffers;
+
+static inline __attribute__((always_inline)) void attend_tile(const uint16_t *q, int64_t q_stride, const char *kh,
+        const char *vh, const int64_t *table, int64_t L0, int R, int G, int D, int block_size, float scale,
+        size_t row_bytes, tile_buffers buf, uint16_t *out, int64_t out_stride) {
+    const int n = D / 16, pairs = D / 2;
+    const int64_t L = L0 + R - 1, Lp = (L + 15) / 16 * 16;
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < pairs; c++)
+            for (int i = 0; i < TILE; i++) {
+                uint32_t pair = 0;
+                if (i < R) memcpy(&pair, q + i * q_stride + g * D + 2 * c, sizeof pair);
+                buf.qpack[(g * pairs + c) * TILE + i] = pair;
+            }
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 scale16 = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
+    __m512 mx[64];
+    for (int g = 0; g < G; g++) mx[g] = minus_inf;
+    for (int64_t t0 = 0; t0 < L; t0 += 16) {
+        const uint32_t *k[16];
+        for (int j = 0; j < 16; j++) {
+            const int64_t t = t0 + j;
+            if (t + AHEAD < L) {
+                const int64_t ahead = slot_of(table, t + AHEAD, block_size);
+                prefetch_row(kh, ahead, row_bytes);
+                prefetch_row_l2(vh, ahead, row_bytes);
+            }
+            k[j] = (const uint32_t *)(t < L ? (const uint16_t *)kh + slot_of(table, t, block_size) * D : ZERO_ROW);
+        }
+        for (int g = 0; g < G; g++) {
+            __m512 s[16];
+            for (int j = 0; j < 16; j++) s[j] = _mm512_setzero_ps();
+            for (int c = 0; c < pairs; c++) {
+                const __m512bh qc = (__m512bh)_mm512_loadu_si512(buf.qpack + (g * pairs + c) * TILE);
+                #pragma GCC unroll 16
+                for (int j = 0; j < 16; j++)
+                    s[j] = _mm512_dpbf16_ps(s[j], qc, (__m512bh)_mm512_set1_epi32((int)k[j][c]));
+            }
+            for (int j = 0; j < 16; j++) {
+                /* row i sees token t0 + j when t0 + j < L0 + i */
+                const __mmask16 seen = _mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32((int)(t0 + j - L0 + 1)))
+                                       & _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(R));
+                const __m512 v = _mm512_mask_mul_ps(minus_inf, seen, s[j], scale16);
+                _mm512_storeu_ps(buf.scores + ((int64_t)g * Lp + t0 + j) * TILE, v);
+                mx[g] = _mm512_max_ps(mx[g], v);
+            }
+        }
+    }
+    __m512 sums[64];
+    for (int g = 0; g < G; g++) sums[g] = _mm512_setzero_ps();
+    for (int k = 0; k < R * G * n; k++) buf.acc[k] = _mm512_setzero_ps();
+    /* word 2i of the pairs: token 2jp's probability for row i, word 2i + 1: token 2jp + 1's */
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int64_t t0 = 0; t0 < L; t0 += 16) {
+        for (int jp = 0; jp < 8; jp++) {
+            const int64_t t = t0 + 2 * jp;
+            const uint16_t *r0 = t < L ? (const uint16_t *)vh + slot_of(table, t, block_size) * D : ZERO_ROW;
+            const uint16_t *r1 = t + 1 < L ? (const uint16_t *)vh + slot_of(table, t + 1, block_size) * D : ZERO_ROW;
+            for (int i = 0; i < D / 32; i++) {
+                const __m512i x0 = _mm512_loadu_si512(r0 + 32 * i), x1 = _mm512_loadu_si512(r1 + 32 * i);
+                buf.vpairs[jp * n + 2 * i] = (__m512)_mm512_unpacklo_epi16(x0, x1);
+                buf.vpairs[jp * n + 2 * i + 1] = (__m512)_mm512_unpackhi_epi16(x0, x1);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            for (int jp = 0; jp < 8; jp++) {
+                __m512 p[2];
+                for (int h = 0; h < 2; h++) {
+                    const __m512 s = _mm512_loadu_ps(buf.scores + ((int64_t)g * Lp + t0 + 2 * jp + h) * TILE);
+                    const __mmask16 seen = _mm512_cmp_ps_mask(s, minus_inf, _CMP_NEQ_OQ);
+                    p[h] = _mm512_maskz_mov_ps(seen, (__m512)exp16((v16)s - (v16)mx[g]));
+                    sums[g] = _mm512_add_ps(sums[g], p[h]);
+                }
+                const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(p[0])),
+                                                         (__m256i)_mm512_cvtneps_pbh(p[1]), 1);
+                _mm512_storeu_si512(buf.ppairs + jp * TILE, _mm512_permutexvar_epi16(interleave, both));
+            }
+            for (int i = 0; i < R; i++) {
+                __m512 *a = buf.acc + (i * G + g) * n;
+                __m512 o[16];   /* D <= 256 */
+                for (int v = 0; v < n; v++) o[v] = a[v];
+                for (int jp = 0; jp < 8; jp++) {
+                    const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)buf.ppairs[jp * TILE + i]);
+                    for (int v = 0; v < n; v++)
+                        o[v] = _mm512_dpbf16_ps(o[v], (__m512bh)buf.vpairs[jp * n + v], pp);
+                }
+                for (int v = 0; v < n; v++) a[v] = o[v];
+            }
+        }
+    }
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int g = 0; g < G; g++) {
+        float total[16];
+        _mm512_storeu_ps(total, sums[g]);
+        for (int i = 0; i < R; i++) {
+            const __m512 sum = _mm512_set1_ps(total[i]);
+            const __m512 *a = buf.acc + (i * G + g) * n;
+            uint16_t *o = out + i * out_stride + g * D;
+            for (int c = 0; c < D / 32; c++) {
+                round_to_bf16((v16)_mm512_div_ps(_mm512_permutex2var_ps(a[2 * c], first, a[2 * c + 1]), sum), o + 32 * c);
+                round_to_bf16((v16)_mm512_div_ps(_mm512_permutex2var_ps(a[2 * c], second, a[2 * c + 1]), sum), o + 32 * c + 16);
+            }
+        }
+    }
+}
+
+/* attend_tile with G and D as constants where models use them (as attend_any). */
+static void tile_any(const uint16_t *q, int64_t q_stride, const char *kh, const char *vh, const int64_t *table,
+                     int64_t L0, int R, int G, int D, int block_size, float scale, size_t row_bytes,
+                     tile_buffers buf, uint16_t *out, int64_t out_stride) {
+#define TILE_TASK(GG, DD) if (G == GG && D == DD) \
+        return attend_tile(q, q_stride, kh, vh, table, L0, R, GG, DD, block_size, scale, row_bytes, buf, out, out_stride)
+    TILE_TASK(1, 64); TILE_TASK(2, 64); TILE_TASK(3, 64); TILE_TASK(4, 64);
+    TILE_TASK(5, 64); TILE_TASK(6, 64); TILE_TASK(7, 64); TILE_TASK(8, 64);
+    TILE_TASK(1, 128); TILE_TASK(2, 128); TILE_TASK(3, 128); TILE_TASK(4, 128);
+    TILE_TASK(5, 128); TILE_TASK(6, 128); TILE_TASK(7, 128); TILE_TASK(8, 128);
+#undef TILE_TASK
+    attend_tile(q, q_stride, kh, vh, table, L0, R, G, D, block_size, scale, row_bytes, buf, out, out_stride);
+}
 #endif
 
 /* Row `slot` of a [S, D] cache head as float32 lanes in buf (D a multiple of 16). */
@@ -220,7 +358,9 @@ static inline __attribute__((always_inline)) void attend(const v16 *qv, const ui
         }
     }
     float sums[64];
+#if HAVE_DOT_BF16
     uint16_t *probs = (uint16_t *)(scores + G * Lp);   /* the same probabilities in bf16 */
+#endif
     for (int g = 0; g < G; g++) {
         const float mx = hmax(maxv[g]);
         v16 sv = {0};
@@ -278,9 +418,22 @@ static void attend_any(const v16 *qv, const uint16_t *qh, const char *kh, const 
 /* 1 when this build rounds a bf16 cache's probabilities to bf16 (v_pass_bf16), else 0. */
 int probabilities_in_bf16(void) { return HAVE_DOT_BF16; }
 
+/* Rows a < b of one prompt chunk: b's context is a's and the b - a tokens after it, in the
+ * same blocks (a tile may then read every row's context through row a's table). */
+static int same_context(const int64_t *tables, const int64_t *lens, int W, int block_size, int a, int b) {
+    if (lens[b] != lens[a] + (b - a)) return 0;
+    const int64_t blocks = (lens[b] + block_size - 1) / block_size;
+    return blocks <= W && memcmp(tables + (int64_t)a * W, tables + (int64_t)b * W, sizeof(int64_t) * blocks) == 0;
+}
+
+typedef struct {
+    int row, rows;   /* rows 0: one row, attend_any; else a tile of `rows` rows from `row` */
+} work;
+
 /* q, out: [B, H, D] and caches [KV, S, D], all float32 (bf16 = 0) or all bfloat16 (bf16 = 1);
  * q's tokens q_stride elements apart (its heads contiguous: a view of the fused QKV output
- * needs no copy), out contiguous. */
+ * needs no copy), out contiguous. Runs of at least TILE_MIN rows of one prompt chunk go in
+ * tiles (bf16 on AVX512-BF16), every other row alone. */
 void paged_decode_attention(const void *q, const void *k_cache, const void *v_cache,
                             const int64_t *block_tables, const int64_t *context_lens,
                             void *out, int B, int H, int KV, int D, int W, int block_size,
@@ -290,7 +443,31 @@ void paged_decode_attention(const void *q, const void *k_cache, const void *v_ca
     int64_t max_len = 0;
     for (int b = 0; b < B; b++) max_len = context_lens[b] > max_len ? context_lens[b] : max_len;
     const int64_t Lp = (max_len + 15) / 16 * 16;
-    const int tasks = B * KV;   /* task i: request i / KV, KV head i % KV */
+    /* The work: tiles first, the longest contexts first (so the threads end together), then
+     * single rows; task i is work[i / KV] for KV head i % KV. */
+    work *plan = (work *)malloc(sizeof(work) * (B + 1));
+    int n_tiles = 0, n_work = 0;
+    const int tiled = bf16 && HAVE_DOT_BF16 && D % 32 == 0 && D <= 256;
+    for (int r = 0; r < B;) {
+        int run = 1;
+        while (tiled && r + run < B && run < TILE && same_context(block_tables, context_lens, W, block_size, r, r + run))
+            run++;
+        if (run >= TILE_MIN) {
+            plan[n_work++] = (work){r, run};
+            n_tiles++;
+        } else {
+            for (int i = 0; i < run; i++) plan[n_work++] = (work){r + i, 0};
+        }
+        r += run;
+    }
+    /* tiles sorted by their last row's context, longest first (insertion: they come in order
+     * within a chunk, so reversing each chunk's run would do; this is as cheap here) */
+    for (int i = 0; i < n_work; i++)
+        if (plan[i].rows)
+            for (int j = i; j > 0 && (!plan[j - 1].rows || context_lens[plan[j - 1].row] < context_lens[plan[j].row]); j--) {
+                const work w = plan[j]; plan[j] = plan[j - 1]; plan[j - 1] = w;
+            }
+    const int tasks = n_work * KV;
     int claimed = 0;
     #pragma omp parallel num_threads(num_threads)
     {
@@ -299,24 +476,54 @@ void paged_decode_attention(const void *q, const void *k_cache, const void *v_ca
         v16 *qv = (v16 *)aligned_alloc(64, sizeof(v16) * (2 * G * n + 16 * G) + 6 * G * Lp + 64);
         v16 *acc = qv + G * n, *part = acc + G * n;
         float *scores = (float *)(part + 16 * G);
+#if HAVE_DOT_BF16
+        tile_buffers tb = {0};
+        void *tile_mem = NULL;
+        if (n_tiles) {
+            const size_t sizes[5] = {sizeof(float) * G * Lp * TILE, sizeof(uint32_t) * G * (D / 2) * TILE,
+                                     sizeof(__m512) * (TILE / 2) * n, sizeof(uint32_t) * (TILE / 2) * TILE,
+                                     sizeof(__m512) * TILE * G * n};
+            size_t total = 0;
+            for (int i = 0; i < 5; i++) total += (sizes[i] + 63) / 64 * 64;
+            char *m = (char *)(tile_mem = aligned_alloc(64, total));
+            tb.scores = (float *)m; m += (sizes[0] + 63) / 64 * 64;
+            tb.qpack = (uint32_t *)m; m += (sizes[1] + 63) / 64 * 64;
+            tb.vpairs = (__m512 *)m; m += (sizes[2] + 63) / 64 * 64;
+            tb.ppairs = (uint32_t *)m; m += (sizes[3] + 63) / 64 * 64;
+            tb.acc = (__m512 *)m;
+        }
+#endif
         /* Dynamic scheduling, each thread holding the claim on its next task while it runs
          * this one, so it knows which rows to ask for. */
         int task = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
         while (task < tasks) {
             const int after = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
-            const int b = task / KV, kv = task % KV;
-            next_task next = {NULL, NULL, 0};
-            if (after < tasks)
-                next = (next_task){(const char *)k_cache + (int64_t)(after % KV) * S * row_bytes,
-                                   block_tables + (int64_t)(after / KV) * W, context_lens[after / KV]};
+            const work w = plan[task / KV];
+            const int b = w.row, kv = task % KV;
+            const char *kh = (const char *)k_cache + (int64_t)kv * S * row_bytes;
+            const char *vh = (const char *)v_cache + (int64_t)kv * S * row_bytes;
             const int64_t head0 = (int64_t)b * H + (int64_t)kv * G;
             const char *qg = (const char *)q + ((int64_t)b * q_stride + (int64_t)kv * G * D) * elem;
+#if HAVE_DOT_BF16
+            if (w.rows) {
+                tile_any((const uint16_t *)qg, q_stride, kh, vh, block_tables + (int64_t)b * W, context_lens[b],
+                            w.rows, G, D, block_size, scale, row_bytes, tb, (uint16_t *)out + head0 * D,
+                            (int64_t)H * D);
+                task = after;
+                continue;
+            }
+#endif
+            next_task next = {NULL, NULL, 0};
+            if (after < tasks && !plan[after / KV].rows) {
+                const int nb = plan[after / KV].row;
+                next = (next_task){(const char *)k_cache + (int64_t)(after % KV) * S * row_bytes,
+                                   block_tables + (int64_t)nb * W, context_lens[nb]};
+            }
             for (int g = 0; g < G; g++)
                 load_row(qg, g, D, bf16, qv + g * n);
             const uint16_t *qh = bf16 && D % 32 == 0 && HAVE_DOT_BF16 ? (const uint16_t *)qg : NULL;
-            attend_any(qv, qh, (const char *)k_cache + (int64_t)kv * S * row_bytes,
-                   (const char *)v_cache + (int64_t)kv * S * row_bytes, block_tables + (int64_t)b * W,
-                   context_lens[b], G, D, block_size, scale, bf16, row_bytes, acc, part, scores, Lp, next);
+            attend_any(qv, qh, kh, vh, block_tables + (int64_t)b * W, context_lens[b], G, D, block_size, scale,
+                       bf16, row_bytes, acc, part, scores, Lp, next);
             for (int g = 0; g < G; g++) {
                 const float *a = (const float *)(acc + g * n);
                 if (bf16) {
@@ -329,5 +536,9 @@ void paged_decode_attention(const void *q, const void *k_cache, const void *v_ca
             task = after;
         }
         free(qv);
+#if HAVE_DOT_BF16
+        free(tile_mem);
+#endif
     }
+    free(plan);
 }
