@@ -23,6 +23,10 @@
  * its reads: on AMD EPYC Zen 4 (same setup, blocks at random places in a 1 GiB cache) bf16
  * 21.3 -> 15.8 ms per step, float32 33.9 -> 21.2 ms, where touching the same bytes and
  * nothing else takes 13.4-15 ms.
+ *
+ * The rows of a prompt chunk (each token a query whose context ends at itself) go 16 at a
+ * time through attend_tile, with the rows as the lanes. Zen 4, bf16, 30 layers: one
+ * 2000-token prompt 1030 -> 540 ms, 16 prompts of 128 tokens 114 -> 63 ms.
  */
 #include <math.h>
 #include <stdint.h>

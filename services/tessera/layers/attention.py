@@ -3,8 +3,10 @@
 New K/V are written to their slots first. With the C kernel (tessera_kernels.paged_attention_cpu,
 float32 or bfloat16 cache), every token that attends causally, decode and prompt alike, is a
 row of one kernel call straight from the paged cache: a prompt token is a query whose context
-ends at itself (ForwardBatch's causal rows). For prompt chunks of 128 to 2048 tokens it is
-1.4-2.4x faster than torch's SDPA on AMD EPYC Zen 5 (2 threads, SmolLM2's heads). Where the
+ends at itself (ForwardBatch's causal rows; the kernel takes a chunk's rows 16 at a time). For
+prompt chunks of 128 to 2048 tokens it was 1.4-2.4x faster than torch's SDPA on AMD EPYC Zen 5
+(2 threads, SmolLM2's heads); with the tiles, on Zen 4, 16 prompts of 128 tokens over 30
+layers take 63 ms against SDPA's 173, one of 2000 tokens 545 against 1154. Where the
 CPU has AMX, bf16 prompt chunks that start at position 0 go to SDPA instead (prompts_by_sdpa),
 whose flash attention runs its products on AMX: 16 prompts of 128 tokens, 30 layers, 52 ms
 against the kernel's 134 ms (Intel Xeon, 2 threads); decode rows stay on the kernel, and so
