@@ -25,6 +25,7 @@ way; a chunk given an explicit mask takes SDPA.
 """
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import torch
@@ -116,8 +117,10 @@ def _kernel_applies(q: torch.Tensor) -> bool:
 
 def prompts_by_sdpa(q: torch.Tensor) -> bool:
     """Whether prompt chunks attend through SDPA although the kernel applies: bf16 where the
-    CPU has AMX (see the module docstring for the measurement)."""
-    return q.dtype == torch.bfloat16 and "amx_bf16" in cbuild.cpu_flags()
+    CPU has AMX (see the module docstring for the measurement, made before the kernel's
+    prompt tiles; TESSERA_PROMPTS_BY_KERNEL=1 keeps them on the kernel there, for the A/B)."""
+    return (q.dtype == torch.bfloat16 and "amx_bf16" in cbuild.cpu_flags()
+            and os.environ.get("TESSERA_PROMPTS_BY_KERNEL") != "1")
 
 
 def _fresh_prompts_only(batch: ForwardBatch) -> bool:
