@@ -57,7 +57,7 @@ def test_paged_decode_attention_bf16_cache(H, KV, D, bs):
 
 
 @pytest.mark.skipif(not pa.available(), reason="no C compiler for the CPU kernel")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_paged_decode_attention_reads_q_in_place(dtype):
     """q as the model passes it, a view of the fused QKV output (tokens (H + 2 KV) * D apart):
     the same bits as from a contiguous copy."""
@@ -74,7 +74,7 @@ def test_paged_decode_attention_reads_q_in_place(dtype):
 
 
 @pytest.mark.skipif(not pa.available(), reason="no C compiler for the CPU kernel")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("H,KV,D", [(9, 3, 64), (6, 2, 128), (4, 4, 32)])
 def test_paged_decode_attention_prompt_chunk_rows(dtype, H, KV, D):
     """Rows as a step passes them: prompt chunks (each token a row whose context ends at
