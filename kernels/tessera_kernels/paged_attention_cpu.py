@@ -46,6 +46,8 @@ def _library() -> ctypes.CDLL | None:
     if lib is not None:
         lib.paged_decode_attention.restype = None
         lib.probabilities_in_bf16.restype = ctypes.c_int
+        lib.paged_decode_attention_tiles.restype = ctypes.c_int
+        lib.paged_decode_attention_tiles.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 5
         lib.paged_decode_attention.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int] * 6
                                                + [ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int,
                                                   ctypes.c_int64])
@@ -62,6 +64,17 @@ def probabilities_in_bf16(head_dim: int) -> bool:
     numerators to bf16 before the V pass (AVX512-BF16 builds, head sizes a multiple of 32)."""
     lib = _library()
     return lib is not None and bool(lib.probabilities_in_bf16()) and head_dim % 32 == 0
+
+
+def tiles_planned(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, head_dim: int,
+                  dtype: torch.dtype) -> int:
+    """How many tiles (up to 16 rows of one prompt chunk attended together) the kernel makes
+    of these rows: a test's check that the tile path runs."""
+    lib = _library()
+    assert lib is not None
+    tables, lens = block_tables.contiguous(), context_lens.contiguous()
+    return lib.paged_decode_attention_tiles(tables.data_ptr(), lens.data_ptr(), tables.shape[0], tables.shape[1],
+                                            block_size, head_dim, int(dtype == torch.bfloat16))
 
 
 def supports(head_dim: int) -> bool:

@@ -6,8 +6,9 @@
  * where g(h) = h / (H / KV) is the KV head a query head shares (GQA) and
  * slot(b, t) = block_tables[b, t / block_size] * block_size + t % block_size.
  *
- * Each (request, KV head) pair is one task: its K and V rows are read once, straight from
- * the paged cache, for all the query heads that share them; nothing is gathered or copied.
+ * Each (request, KV head) pair is one task (or, for a prompt chunk's rows, each tile of them:
+ * below): its K and V rows are read once, straight from the paged cache, for all the query
+ * heads that share them; nothing is gathered or copied.
  * q and out are in the cache's dtype. Scores are made 16 tokens at a time: each token's dot
  * product is left as 16 partial sums, and the 16 tokens' partials are summed together by one
  * transposing tree of shuffles (15 steps for 16 scores, where a sum per token takes 64).
@@ -25,8 +26,10 @@
  * nothing else takes 13.4-15 ms.
  *
  * The rows of a prompt chunk (each token a query whose context ends at itself) go 16 at a
- * time through attend_tile, with the rows as the lanes. Zen 4, bf16, 30 layers: one
- * 2000-token prompt 1030 -> 540 ms, 16 prompts of 128 tokens 114 -> 63 ms.
+ * time through attend_tile, with the rows as the lanes. Zen 4, bf16, 30 layers, in the engine:
+ * one 2000-token prompt 1004 -> 545 ms, 16 prompts of 128 tokens 114 -> 63 ms. A tile sums a
+ * score's products in another order than a single row, so a prompt row's last bits depend on
+ * whether its chunk put it in a tile (as torch's kernels' bits depend on the batch's shape).
  */
 #include <math.h>
 #include <stdint.h>
@@ -85,6 +88,17 @@ typedef struct {
     int64_t len;
 } next_task;
 
+/* Token t's turn: ask for token t + AHEAD's K row (into L1, read next) and V row (into L2, read
+ * in the V pass). */
+static inline void ask_ahead(const char *kh, const char *vh, const int64_t *table, int64_t t, int64_t L,
+                             int block_size, size_t row_bytes) {
+    if (t + AHEAD < L) {
+        const int64_t ahead = slot_of(table, t + AHEAD, block_size);
+        prefetch_row(kh, ahead, row_bytes);
+        prefetch_row_l2(vh, ahead, row_bytes);
+    }
+}
+
 /* Spread the next task's K rows over this task's V pass, called once per token: next.len of
  * them in L calls, a running count instead of a division per token. */
 static inline void ask_next(next_task next, int64_t L, int block_size, size_t row_bytes,
@@ -94,7 +108,16 @@ static inline void ask_next(next_task next, int64_t L, int block_size, size_t ro
 }
 
 #if HAVE_DOT_BF16
-static const uint16_t ZERO_ROW[256];   /* the token after an odd context's last */
+static const uint16_t ZERO_ROW[256] __attribute__((aligned(64)));   /* a token past the context */
+
+/* Columns c..c+31 in order, divided by sum, from the sums over unpacklo (lo) and unpackhi (hi)
+ * pairs: of each 8 columns, lo holds the first 4 and hi the last 4. */
+static inline void in_order(__m512 lo, __m512 hi, float sum, v16 *out) {
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    out[0] = (v16)_mm512_div_ps(_mm512_permutex2var_ps(lo, first, hi), _mm512_set1_ps(sum));
+    out[1] = (v16)_mm512_div_ps(_mm512_permutex2var_ps(lo, second, hi), _mm512_set1_ps(sum));
+}
 
 /* The V pass for a bf16 cache on AVX512-BF16: acc[g] = sum_t p[g, t] V[t] / sums[g], two
  * tokens per vdpbf16ps. p is rounded to bf16 first, as torch's CPU flash attention rounds its
@@ -129,19 +152,9 @@ static inline __attribute__((always_inline)) void v_pass_bf16(const char *vh, co
             }
         }
     }
-    /* columns c..c+15 and c+16..c+31 of lo/hi: lanes 0-3 of each 4 from lo, 4-7 from hi */
-    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-    for (int g = 0; g < G; g++) {
-        const __m512 sum = _mm512_set1_ps(sums[g]);
-        for (int i = 0; i < D / 32; i++) {
-            const __m512 lo = a[g * n + 2 * i], hi = a[g * n + 2 * i + 1];
-            const __m512 c0 = _mm512_div_ps(_mm512_permutex2var_ps(lo, first, hi), sum);
-            const __m512 c1 = _mm512_div_ps(_mm512_permutex2var_ps(lo, second, hi), sum);
-            memcpy(acc + g * n + 2 * i, &c0, sizeof c0);
-            memcpy(acc + g * n + 2 * i + 1, &c1, sizeof c1);
-        }
-    }
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < D / 32; i++)
+            in_order(a[g * n + 2 * i], a[g * n + 2 * i + 1], sums[g], (v16 *)(acc + g * n + 2 * i));
 }
 
 /* Rows of one prompt chunk, up to 16 at a time (a tile): row i attends to the first L0 + i
@@ -177,15 +190,14 @@ static inline __attribute__((always_inline)) void attend_tile(const uint16_t *q,
     __m512 mx[64];
     for (int g = 0; g < G; g++) mx[g] = minus_inf;
     for (int64_t t0 = 0; t0 < L; t0 += 16) {
-        const uint32_t *k[16];
+        const uint16_t *k[16];
+        __mmask16 seen[16];   /* row i sees token t0 + j when t0 + j < L0 + i (and i < R) */
         for (int j = 0; j < 16; j++) {
             const int64_t t = t0 + j;
-            if (t + AHEAD < L) {
-                const int64_t ahead = slot_of(table, t + AHEAD, block_size);
-                prefetch_row(kh, ahead, row_bytes);
-                prefetch_row_l2(vh, ahead, row_bytes);
-            }
-            k[j] = (const uint32_t *)(t < L ? (const uint16_t *)kh + slot_of(table, t, block_size) * D : ZERO_ROW);
+            ask_ahead(kh, vh, table, t, L, block_size, row_bytes);
+            k[j] = t < L ? (const uint16_t *)kh + slot_of(table, t, block_size) * D : ZERO_ROW;
+            seen[j] = _mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32((int)(t - L0 + 1)))
+                      & _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(R));
         }
         for (int g = 0; g < G; g++) {
             __m512 s[16];
@@ -193,14 +205,14 @@ static inline __attribute__((always_inline)) void attend_tile(const uint16_t *q,
             for (int c = 0; c < pairs; c++) {
                 const __m512bh qc = (__m512bh)_mm512_loadu_si512(buf.qpack + (g * pairs + c) * TILE);
                 #pragma GCC unroll 16
-                for (int j = 0; j < 16; j++)
-                    s[j] = _mm512_dpbf16_ps(s[j], qc, (__m512bh)_mm512_set1_epi32((int)k[j][c]));
+                for (int j = 0; j < 16; j++) {
+                    uint32_t pair;
+                    memcpy(&pair, k[j] + 2 * c, sizeof pair);
+                    s[j] = _mm512_dpbf16_ps(s[j], qc, (__m512bh)_mm512_set1_epi32((int)pair));
+                }
             }
             for (int j = 0; j < 16; j++) {
-                /* row i sees token t0 + j when t0 + j < L0 + i */
-                const __mmask16 seen = _mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32((int)(t0 + j - L0 + 1)))
-                                       & _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(R));
-                const __m512 v = _mm512_mask_mul_ps(minus_inf, seen, s[j], scale16);
+                const __m512 v = _mm512_mask_mul_ps(minus_inf, seen[j], s[j], scale16);
                 _mm512_storeu_ps(buf.scores + ((int64_t)g * Lp + t0 + j) * TILE, v);
                 mx[g] = _mm512_max_ps(mx[g], v);
             }
@@ -249,18 +261,17 @@ static inline __attribute__((always_inline)) void attend_tile(const uint16_t *q,
             }
         }
     }
-    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     for (int g = 0; g < G; g++) {
         float total[16];
         _mm512_storeu_ps(total, sums[g]);
         for (int i = 0; i < R; i++) {
-            const __m512 sum = _mm512_set1_ps(total[i]);
             const __m512 *a = buf.acc + (i * G + g) * n;
             uint16_t *o = out + i * out_stride + g * D;
             for (int c = 0; c < D / 32; c++) {
-                round_to_bf16((v16)_mm512_div_ps(_mm512_permutex2var_ps(a[2 * c], first, a[2 * c + 1]), sum), o + 32 * c);
-                round_to_bf16((v16)_mm512_div_ps(_mm512_permutex2var_ps(a[2 * c], second, a[2 * c + 1]), sum), o + 32 * c + 16);
+                v16 cols[2];
+                in_order(a[2 * c], a[2 * c + 1], total[i], cols);
+                round_to_bf16(cols[0], o + 32 * c);
+                round_to_bf16(cols[1], o + 32 * c + 16);
             }
         }
     }
@@ -310,13 +321,8 @@ static inline __attribute__((always_inline)) void attend(const v16 *qv, const ui
              * (all heads' would not fit), each K row read from L1 once per head. */
             const uint16_t *k[16];
             for (int j = 0; j < 16; j++) {
-                const int64_t t = t0 + j;
-                if (t + AHEAD < L) {
-                    const int64_t ahead = slot_of(table, t + AHEAD, block_size);
-                    prefetch_row(kh, ahead, row_bytes);
-                    prefetch_row_l2(vh, ahead, row_bytes);
-                }
-                k[j] = (const uint16_t *)kh + slot_of(table, t, block_size) * D;
+                ask_ahead(kh, vh, table, t0 + j, L, block_size, row_bytes);
+                k[j] = (const uint16_t *)kh + slot_of(table, t0 + j, block_size) * D;
             }
             for (int g = 0; g < G; g++) {
                 v16 pr[16];
@@ -335,11 +341,7 @@ static inline __attribute__((always_inline)) void attend(const v16 *qv, const ui
                 continue;
             }
             const int64_t t = t0 + j;
-            if (t + AHEAD < L) {
-                const int64_t ahead = slot_of(table, t + AHEAD, block_size);
-                prefetch_row(kh, ahead, row_bytes);
-                prefetch_row_l2(vh, ahead, row_bytes);
-            }
+            ask_ahead(kh, vh, table, t, L, block_size, row_bytes);
 #if HAVE_DOT_BF16
             if (qh != NULL) {
                 const uint16_t *k = (const uint16_t *)kh + slot_of(table, t, block_size) * D;
@@ -419,7 +421,8 @@ static void attend_any(const v16 *qv, const uint16_t *qh, const char *kh, const 
     attend(qv, qh, kh, vh, table, L, G, D, block_size, scale, bf16, row_bytes, acc, part, scores, Lp, next);
 }
 
-/* 1 when this build rounds a bf16 cache's probabilities to bf16 (v_pass_bf16), else 0. */
+/* 1 when this build rounds a bf16 cache's probabilities to bf16 (v_pass_bf16; head sizes a
+ * multiple of 32), else 0. */
 int probabilities_in_bf16(void) { return HAVE_DOT_BF16; }
 
 /* Rows a < b of one prompt chunk: b's context is a's and the b - a tokens after it, in the
@@ -434,6 +437,49 @@ typedef struct {
     int row, rows;   /* rows 0: one row, attend_any; else a tile of `rows` rows from `row` */
 } work;
 
+static inline int64_t tile_len(work w, const int64_t *lens) { return lens[w.row + w.rows - 1]; }
+
+/* Tiles are bf16 dot products: a bf16 cache on AVX512-BF16, head sizes of 32 to 256. */
+static inline int tiles_apply(int bf16, int D) { return bf16 && HAVE_DOT_BF16 && D % 32 == 0 && D <= 256; }
+
+/* The work of one call into plan (B + 1 entries): tiles first, the longest contexts first (so
+ * the threads end together), then single rows; task i is plan[i / KV] for KV head i % KV.
+ * Returns its length; *n_tiles: how many are tiles (none unless `tiled`). */
+static int make_plan(work *plan, int *n_tiles, const int64_t *block_tables, const int64_t *context_lens,
+                     int B, int W, int block_size, int tiled) {
+    int n_work = 0;
+    *n_tiles = 0;
+    for (int r = 0; r < B;) {
+        int run = 1;
+        while (tiled && r + run < B && run < TILE && same_context(block_tables, context_lens, W, block_size, r, r + run))
+            run++;
+        if (run >= TILE_MIN) {
+            plan[n_work++] = (work){r, run};
+            (*n_tiles)++;
+        } else {
+            for (int i = 0; i < run; i++) plan[n_work++] = (work){r + i, 0};
+        }
+        r += run;
+    }
+    /* an insertion sort: a few hundred tiles at most, its cost nothing next to one tile's */
+    for (int i = 0; i < n_work; i++)
+        if (plan[i].rows)
+            for (int j = i; j > 0 && (!plan[j - 1].rows || tile_len(plan[j - 1], context_lens) < tile_len(plan[j], context_lens)); j--) {
+                const work w = plan[j]; plan[j] = plan[j - 1]; plan[j - 1] = w;
+            }
+    return n_work;
+}
+
+/* How many tiles a call with these rows would make (for tests: that the tiles do run). */
+int paged_decode_attention_tiles(const int64_t *block_tables, const int64_t *context_lens, int B, int W,
+                                 int block_size, int D, int bf16) {
+    work *plan = (work *)malloc(sizeof(work) * (B + 1));
+    int n_tiles;
+    make_plan(plan, &n_tiles, block_tables, context_lens, B, W, block_size, tiles_apply(bf16, D));
+    free(plan);
+    return n_tiles;
+}
+
 /* q, out: [B, H, D] and caches [KV, S, D], all float32 (bf16 = 0) or all bfloat16 (bf16 = 1);
  * q's tokens q_stride elements apart (its heads contiguous: a view of the fused QKV output
  * needs no copy), out contiguous. Runs of at least TILE_MIN rows of one prompt chunk go in
@@ -447,37 +493,16 @@ void paged_decode_attention(const void *q, const void *k_cache, const void *v_ca
     int64_t max_len = 0;
     for (int b = 0; b < B; b++) max_len = context_lens[b] > max_len ? context_lens[b] : max_len;
     const int64_t Lp = (max_len + 15) / 16 * 16;
-    /* The work: tiles first, the longest contexts first (so the threads end together), then
-     * single rows; task i is work[i / KV] for KV head i % KV. */
     work *plan = (work *)malloc(sizeof(work) * (B + 1));
-    int n_tiles = 0, n_work = 0;
-    const int tiled = bf16 && HAVE_DOT_BF16 && D % 32 == 0 && D <= 256;
-    for (int r = 0; r < B;) {
-        int run = 1;
-        while (tiled && r + run < B && run < TILE && same_context(block_tables, context_lens, W, block_size, r, r + run))
-            run++;
-        if (run >= TILE_MIN) {
-            plan[n_work++] = (work){r, run};
-            n_tiles++;
-        } else {
-            for (int i = 0; i < run; i++) plan[n_work++] = (work){r + i, 0};
-        }
-        r += run;
-    }
-    /* tiles sorted by their last row's context, longest first (insertion: they come in order
-     * within a chunk, so reversing each chunk's run would do; this is as cheap here) */
-    for (int i = 0; i < n_work; i++)
-        if (plan[i].rows)
-            for (int j = i; j > 0 && (!plan[j - 1].rows || context_lens[plan[j - 1].row] < context_lens[plan[j].row]); j--) {
-                const work w = plan[j]; plan[j] = plan[j - 1]; plan[j - 1] = w;
-            }
+    int n_tiles;
+    const int n_work = make_plan(plan, &n_tiles, block_tables, context_lens, B, W, block_size, tiles_apply(bf16, D));
     const int tasks = n_work * KV;
     int claimed = 0;
     #pragma omp parallel num_threads(num_threads)
     {
         /* Per thread: query and accumulator lanes, partial sums, the scores of one task
          * (float32, then bf16). */
-        v16 *qv = (v16 *)aligned_alloc(64, sizeof(v16) * (2 * G * n + 16 * G) + 6 * G * Lp + 64);
+        v16 *qv = (v16 *)aligned_alloc(64, sizeof(v16) * (2 * G * n + 16 * G) + (6 * G * Lp + 63) / 64 * 64 + 64);
         v16 *acc = qv + G * n, *part = acc + G * n;
         float *scores = (float *)(part + 16 * G);
 #if HAVE_DOT_BF16
@@ -511,8 +536,8 @@ void paged_decode_attention(const void *q, const void *k_cache, const void *v_ca
 #if HAVE_DOT_BF16
             if (w.rows) {
                 tile_any((const uint16_t *)qg, q_stride, kh, vh, block_tables + (int64_t)b * W, context_lens[b],
-                            w.rows, G, D, block_size, scale, row_bytes, tb, (uint16_t *)out + head0 * D,
-                            (int64_t)H * D);
+                         w.rows, G, D, block_size, scale, row_bytes, tb, (uint16_t *)out + head0 * D,
+                         (int64_t)H * D);
                 task = after;
                 continue;
             }
