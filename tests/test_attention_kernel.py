@@ -79,7 +79,7 @@ def test_paged_decode_attention_prompt_chunk_rows(dtype, H, KV, D):
     """Rows as a step passes them: prompt chunks (each token a row whose context ends at
     itself: 37 rows from position 0, 10 after 20 cached tokens, 3 from position 0) between
     decode rows, q a view of the fused QKV output. Runs of a chunk's rows go in tiles of up to
-    16 (bf16 on AVX512-BF16): the 37 rows are tiles of 16, 16 and 5, the 10 rows one tile
+    16 (bf16 dot products on AVX512-BF16, float32 FMAs otherwise): the 37 rows are tiles of 16, 16 and 5, the 10 rows one tile
     (the decode row of length 20 before them is another request's: not in it), the 3 rows stay
     rows. The result is the reference's as for single rows. (4, 4, 32) takes the tile code
     without constant shapes."""
@@ -101,7 +101,7 @@ def test_paged_decode_attention_prompt_chunk_rows(dtype, H, KV, D):
     q = torch.randn(len(lens), H + 2 * KV, D, generator=g).to(dtype)[:, :H]
     out = pa.paged_decode_attention(q, k_cache, v_cache, tables, lens, bs, D ** -0.5)
     rounded = dtype == torch.bfloat16 and pa.probabilities_in_bf16(D)
-    assert pa.tiles_planned(tables, lens, bs, D, dtype) == (4 if rounded else 0)
+    assert pa.tiles_planned(tables, lens, bs, D, dtype) == 4
     ref64 = pa.paged_decode_attention_ref(q.double(), k_cache.double(), v_cache.double(), tables, lens, bs,
                                           D ** -0.5, bf16_probs=rounded)
     if dtype == torch.float32:

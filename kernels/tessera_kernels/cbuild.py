@@ -1,8 +1,9 @@
 """Build a C kernel from csrc/ on first use and load it with ctypes.
 
 The source is compiled with the host's C compiler (-O3 -march=native -fopenmp) into a cache
-directory keyed by the source, the shared headers (csrc/*.h), the flags and the CPU, so a machine with other vector units
-(AVX2 only, AVX-512, AMX) builds its own. ctypes releases the GIL during a call. Where no
+directory keyed by the source, the shared headers (csrc/*.h), the compiler, the flags and the
+CPU, so a machine with other vector units (AVX2 only, AVX-512, AMX) builds its own. A target
+without AVX-512 builds the same source as C++ (see _compiler). ctypes releases the GIL during a call. Where no
 compiler is found or the build fails, load() returns None and callers use their torch path;
 TESSERA_DISABLE_CPU_KERNELS=1 does the same on purpose (for A/B measurements). TESSERA_MARCH
 (default native) picks the target CPU.
@@ -41,21 +42,65 @@ def _build(name: str) -> ctypes.CDLL | None:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         return None
+    compiler, lang = _compiler(cc)
     src = _CSRC / f"{name}.c"
     headers = b"".join(h.read_bytes() for h in sorted(_CSRC.glob("*.h")))
-    key = hashlib.sha256(src.read_bytes() + headers + " ".join(_FLAGS).encode() + _cpu_id()).hexdigest()[:16]
+    key = hashlib.sha256(src.read_bytes() + headers + " ".join([compiler, *lang, *_FLAGS, _CXX_WRAPPER if lang else ""]).encode()
+                         + _cpu_id()).hexdigest()[:16]
     cache = pathlib.Path(os.environ.get("TESSERA_CACHE", pathlib.Path.home() / ".cache" / "tessera"))
     so = cache / "kernels" / f"{name}-{key}.so"
     try:
         if not so.exists():
             so.parent.mkdir(parents=True, exist_ok=True)
             tmp = so.with_suffix(f".{os.getpid()}.tmp")
-            subprocess.run([cc, *_FLAGS, str(src), "-o", str(tmp), "-lm"], check=True,
-                           capture_output=True, timeout=120)
+            if lang:   # C++: the source's functions keep their C names for ctypes
+                subprocess.run([compiler, *lang, *_FLAGS, "-I", str(_CSRC), "-", "-o", str(tmp), "-lm"],
+                               input=_CXX_WRAPPER.format(name=name).encode(), check=True, capture_output=True,
+                               timeout=120)
+            else:
+                subprocess.run([compiler, *_FLAGS, str(src), "-o", str(tmp), "-lm"], check=True,
+                               capture_output=True, timeout=120)
             os.replace(tmp, so)
         return ctypes.CDLL(str(so))
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+# The headers first (C++ ones may not sit inside extern "C"), then the source with C linkage.
+_CXX_WRAPPER = """#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include "vec16.h"
+extern "C" {{
+#include "{name}.c"
+}}
+"""
+
+
+@functools.cache
+def _compiler(cc: str) -> tuple[str, list[str]]:
+    """The compiler and language for the target: C, or, where the target has no AVX-512 and a
+    C++ compiler is found, the same source as C++, so that vec16.h gives its 16 lanes as two
+    AVX2 registers (vec16_avx2.h says why: GCC's 64-byte vectors go through memory there)."""
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None or _target_has_avx512(cc):
+        return cc, []
+    return cxx, ["-x", "c++", "-std=gnu++17"]   # the source comes on stdin (_CXX_WRAPPER)
+
+
+@functools.cache
+def _target_has_avx512(cc: str) -> bool:
+    """Whether the compiler, given _FLAGS' -march, targets AVX-512 (__AVX512F__ defined)."""
+    try:
+        macros = subprocess.run([cc, *_FLAGS[:2], "-dM", "-E", "-x", "c", os.devnull], check=True,
+                                capture_output=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return True   # unknown: the plain C build, which is correct everywhere
+    return b"__AVX512F__" in macros
 
 
 @functools.cache

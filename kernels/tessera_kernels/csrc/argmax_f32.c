@@ -19,7 +19,7 @@ static int64_t argmax_row(const float *x, int64_t V) {
         v16 v = load16(x + i);
         v16i gt = v > m;
         nan |= v != v;
-        m = (v16)((gt & (v16i)v) | (~gt & (v16i)m));
+        m = select16(gt, v, m);
         at = (gt & i16) | (~gt & at);
     }
     int any_nan = 0;

@@ -17,17 +17,12 @@
 #include "vec16.h"
 
 static inline v16 round_bf16(v16 f) {    /* to the nearest bf16 (even on ties), kept as float32 */
-    v16u u;
-    memcpy(&u, &f, sizeof u);
-    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    memcpy(&f, &u, sizeof f);
-    return f;
+    const v16u u = as_uint(f);
+    return uint_as_float((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
 }
 
 static inline void store_bf16(uint16_t *p, v16 f) {   /* f already rounded: its top halves */
-    v16u u;
-    memcpy(&u, &f, sizeof u);
-    v16h h = __builtin_convertvector(u >> 16, v16h);
+    v16h h = narrow16(as_uint(f) >> 16);
     memcpy(p, &h, sizeof h);
 }
 

@@ -14,7 +14,6 @@
 
 #include "vec16.h"
 
-static inline void store16(float *p, v16 f) { memcpy(p, &f, sizeof f); }
 
 /* x, y [T, N] (row strides in elements), w [N]; N a multiple of 16. */
 void rms_norm_f32(const float *x, int64_t x_stride, const float *w, float *y, int64_t y_stride,

@@ -61,10 +61,10 @@ typedef struct { v16 lo, hi; } run_t;   /* a run's columns 0-15 and 16-31 as flo
 
 static inline void unpack_pair(const uint8_t *p, run_t *a, run_t *b) {
     v16i first = widen_u8(p), second = widen_u8(p + 16);
-    a->lo = __builtin_convertvector(first & 15, v16);
-    a->hi = __builtin_convertvector(second & 15, v16);
-    b->lo = __builtin_convertvector(first >> 4, v16);
-    b->hi = __builtin_convertvector(second >> 4, v16);
+    a->lo = to_float16(first & 15);
+    a->hi = to_float16(second & 15);
+    b->lo = to_float16(first >> 4);
+    b->hi = to_float16(second >> 4);
 }
 
 static inline v16 dot_run(const uint16_t *x, const float *xs, run_t w) {
@@ -74,7 +74,7 @@ static inline v16 dot_run(const uint16_t *x, const float *xs, run_t w) {
 #endif
 
 static inline v16 widen_i8(const int8_t *p) {
-    return __builtin_convertvector(widen_s8(p), v16);
+    return to_float16(widen_s8(p));
 }
 
 /* sum_g offset_g * xsum_g, the offsets' share of one output: 16 groups at a time as lanes
@@ -94,8 +94,7 @@ static inline void per_run(const uint16_t *src, float *out, int runs, int per_gr
     if (per_group == 1) {
         int i = 0;
         for (; i + 16 <= runs; i += 16) {
-            v16 w = widen(src + i);
-            memcpy(out + i, &w, sizeof w);
+            store16(out + i, widen(src + i));
         }
         for (; i < runs; i++) out[i] = bf16_to_f32(src[i]);
     } else {
@@ -235,7 +234,7 @@ void column_q8(const float *xs, const int8_t *codes, const uint16_t *scale, uint
  * sums per group of G columns (xsum, when G > 0). One block; NULL if out of memory. */
 static float *widen_rows(const uint16_t *x, int M, int K, int G, int need_xs, float **xs, float **xsum) {
     const size_t nxs = need_xs ? (size_t)M * K : 0, nsum = G > 0 ? (size_t)M * (K / G) : 0;
-    float *block = malloc(sizeof(float) * (nxs + nsum) + 64);
+    float *block = (float *)malloc(sizeof(float) * (nxs + nsum) + 64);
     if (!block) return NULL;
     *xs = need_xs ? block : NULL;
     for (size_t i = 0; i < nxs; i++) block[i] = bf16_to_f32(x[i]);
@@ -317,7 +316,7 @@ int dequantize_q4(const uint8_t *packed, const uint16_t *scale, const uint16_t *
             const int shift = 4 * (run % 2), g = run * 32 / G;
             const float s = bf16_to_f32(scale[(int64_t)n * ng + g]), m = bf16_to_f32(offset[(int64_t)n * ng + g]);
             for (int half = 0; half < 2; half++) {
-                v16 q = __builtin_convertvector((widen_u8(p + 16 * half) >> shift) & 15, v16);
+                v16 q = to_float16((widen_u8(p + 16 * half) >> shift) & 15);
                 round_to_bf16(q * s + m, out + 32 * run + 16 * half);
             }
         }

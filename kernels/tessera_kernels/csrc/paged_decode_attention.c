@@ -108,7 +108,7 @@ static inline void ask_next(next_task next, int64_t L, int block_size, size_t ro
 }
 
 #if HAVE_DOT_BF16
-static const uint16_t ZERO_ROW[256] __attribute__((aligned(64)));   /* a token past the context */
+static const uint16_t ZERO_ROW[256] __attribute__((aligned(64))) = {0};   /* a token past the context */
 
 /* Columns c..c+31 in order, divided by sum, from the sums over unpacklo (lo) and unpackhi (hi)
  * pairs: of each 8 columns, lo holds the first 4 and hi the last 4. */
@@ -303,6 +303,149 @@ static inline void load_row(const char *head, int64_t slot, int D, int bf16, v16
     }
 }
 
+/* The rows of one prompt chunk, up to 16 at a time, in float32 FMAs: attend_tile's scheme
+ * for every other cache (float32, or bf16 without AVX512-BF16; any vector unit, v16 being one
+ * AVX-512 or two AVX2 registers). Row i is lane i: q packed as one vector per column, and
+ * each score one chain of FMAs over the columns in order, a K value broadcast to 16 rows, so
+ * no score needs a sum across lanes and the tile's K and V rows are read once for its rows.
+ * All scores first (the exact max per row), then per row the V pass from the same rows in L1. */
+typedef struct {
+    float *scores;   /* [G][Lp][TILE] */
+    v16 *qpack;      /* [G][D]: column c of the tile's rows */
+    float *rows;     /* [16][D]: a bf16 cache's 16 K or V rows widened */
+    v16 *acc;        /* [G][D]: 16 rows' sums for column d */
+} tile_f32_buffers;
+
+static const float ZERO_ROW_F32[256] __attribute__((aligned(64))) = {0};   /* a token past the context */
+
+/* Accumulators of a tile's inner loops (tokens of the K pass, columns of the V pass): 16 and
+ * one more vector of 32 AVX-512 registers, or 4 two-register ones, a vector of q or p and a
+ * broadcast of AVX2's 16. D is a multiple of both. */
+#if defined(__AVX512F__)
+#define JB 16
+#else
+#define JB 4
+#endif
+
+/* Token t's row as float32: in place for a float32 cache, else widened into buf. */
+static inline const float *row_f32(const char *head, const int64_t *table, int64_t t, int64_t L, int D,
+                                   int block_size, int bf16, float *buf) {
+    if (t >= L) return ZERO_ROW_F32;
+    const int64_t slot = slot_of(table, t, block_size);
+    if (!bf16) return (const float *)head + slot * D;
+    for (int i = 0; i < D; i += 16) {
+        store16(buf + i, widen((const uint16_t *)head + slot * D + i));
+    }
+    return buf;
+}
+
+/* Token t's row as float32 copied into buf (the K pass reads 16 rows at fixed offsets from
+ * one pointer: sixteen row pointers would not stay in registers). */
+static inline void copy_row_f32(const char *head, const int64_t *table, int64_t t, int64_t L, int D,
+                                int block_size, int bf16, float *buf) {
+    const float *r = row_f32(head, table, t, L, D, block_size, bf16, buf);
+    if (r != buf) memcpy(buf, r, sizeof(float) * D);
+}
+
+static inline __attribute__((always_inline)) void attend_tile_f32(const char *q, int64_t q_stride,
+        const char *kh, const char *vh, const int64_t *table, int64_t L0, int R, int G, int D, int block_size,
+        float scale, int bf16, size_t row_bytes, tile_f32_buffers buf, char *out, int64_t out_stride) {
+    const int n = D / 16;
+    const int64_t L = L0 + R - 1, Lp = (L + 15) / 16 * 16;
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < D; c++)
+            for (int i = 0; i < TILE; i++) {
+                const int64_t at = i * q_stride + g * D + c;
+                buf.qpack[g * D + c][i] = i >= R ? 0.0f
+                    : bf16 ? bf16_to_f32(((const uint16_t *)q)[at]) : ((const float *)q)[at];
+            }
+    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const v16 minus_inf = (v16){0} - INFINITY;
+    v16 mx[64];
+    for (int g = 0; g < G; g++) mx[g] = minus_inf;
+    for (int64_t t0 = 0; t0 < L; t0 += 16) {
+        const float *k = buf.rows;   /* [16][D] */
+        v16i seen[16];   /* row i sees token t0 + j when t0 + j < L0 + i (and i < R) */
+        for (int j = 0; j < 16; j++) {
+            ask_ahead(kh, vh, table, t0 + j, L, block_size, row_bytes);
+            copy_row_f32(kh, table, t0 + j, L, D, block_size, bf16, buf.rows + j * D);
+            seen[j] = (lane >= (int)(t0 + j - L0 + 1)) & (lane < R);
+        }
+        for (int g = 0; g < G; g++) {
+            const v16 *qg = buf.qpack + g * D;
+            for (int jb = 0; jb < 16; jb += JB) {
+                v16 s[JB];
+                for (int j = 0; j < JB; j++) s[j] = (v16){0};
+                for (int c = 0; c < D; c++) {
+                    const v16 qc = qg[c];
+                    #pragma GCC unroll 16
+                    for (int j = 0; j < JB; j++) s[j] += qc * k[(jb + j) * D + c];
+                }
+                for (int j = 0; j < JB; j++) {
+                    const v16 v = select16(seen[jb + j], s[j] * scale, minus_inf);
+                    store16(buf.scores + ((int64_t)g * Lp + t0 + jb + j) * TILE, v);
+                    mx[g] = vmax(mx[g], v);
+                }
+            }
+        }
+    }
+    /* The V pass the same way round: out[row, g, d] = sum_t p[g, t, row] V[t, d], the rows
+     * as lanes, each V value broadcast to 16 rows; acc[g][d] holds 16 rows' sums. */
+    v16 sums[64];
+    for (int g = 0; g < G; g++) sums[g] = (v16){0};
+    for (int k = 0; k < G * D; k++) buf.acc[k] = (v16){0};
+    for (int64_t t0 = 0; t0 < L; t0 += 16) {
+        for (int j = 0; j < 16; j++) copy_row_f32(vh, table, t0 + j, L, D, block_size, bf16, buf.rows + j * D);
+        const float *v = buf.rows;   /* [16][D] */
+        for (int g = 0; g < G; g++) {
+            float *p = buf.scores + ((int64_t)g * Lp + t0) * TILE;   /* [16 tokens][TILE rows] */
+            for (int j = 0; j < 16; j++) {
+                const v16 s = load16(p + j * TILE);
+                const v16 e = select16(s != minus_inf, exp16(s - mx[g]), (v16){0});
+                sums[g] += e;
+                store16(p + j * TILE, e);
+            }
+            for (int d0 = 0; d0 < D; d0 += JB) {
+                v16 a[JB];
+                for (int d = 0; d < JB; d++) a[d] = buf.acc[g * D + d0 + d];
+                for (int j = 0; j < 16; j++) {
+                    const v16 pj = load16(p + j * TILE);
+                    #pragma GCC unroll 16
+                    for (int d = 0; d < JB; d++) a[d] += pj * v[j * D + d0 + d];
+                }
+                for (int d = 0; d < JB; d++) buf.acc[g * D + d0 + d] = a[d];
+            }
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int d = 0; d < D; d++) buf.acc[g * D + d] /= sums[g];
+    for (int i = 0; i < R; i++)
+        for (int g = 0; g < G; g++) {
+            float row[256];
+            for (int d = 0; d < D; d++) row[d] = buf.acc[g * D + d][i];
+            for (int c = 0; c < n; c++) {
+                const int64_t at = i * out_stride + g * D + 16 * c;
+                if (bf16) round_to_bf16(load16(row + 16 * c), (uint16_t *)out + at);
+                else store16((float *)out + at, load16(row + 16 * c));
+            }
+        }
+}
+
+/* attend_tile_f32 with G and D as constants where models use them (as attend_any). */
+static void tile_f32_any(const char *q, int64_t q_stride, const char *kh, const char *vh, const int64_t *table,
+                         int64_t L0, int R, int G, int D, int block_size, float scale, int bf16, size_t row_bytes,
+                         tile_f32_buffers buf, char *out, int64_t out_stride) {
+#define TILE_TASK(GG, DD) if (G == GG && D == DD) \
+        return attend_tile_f32(q, q_stride, kh, vh, table, L0, R, GG, DD, block_size, scale, bf16, row_bytes, buf, \
+                               out, out_stride)
+    TILE_TASK(1, 64); TILE_TASK(2, 64); TILE_TASK(3, 64); TILE_TASK(4, 64);
+    TILE_TASK(5, 64); TILE_TASK(6, 64); TILE_TASK(7, 64); TILE_TASK(8, 64);
+    TILE_TASK(1, 128); TILE_TASK(2, 128); TILE_TASK(3, 128); TILE_TASK(4, 128);
+    TILE_TASK(5, 128); TILE_TASK(6, 128); TILE_TASK(7, 128); TILE_TASK(8, 128);
+#undef TILE_TASK
+    attend_tile_f32(q, q_stride, kh, vh, table, L0, R, G, D, block_size, scale, bf16, row_bytes, buf, out, out_stride);
+}
+
 /* One task: request b's query heads [kv*G, kv*G + G) over its L tokens of KV head kv.
  * Inlined with G and D constants where the caller can (see the dispatch below), so the
  * accumulators live in registers and the loops over heads and lanes unroll. */
@@ -329,7 +472,7 @@ static inline __attribute__((always_inline)) void attend(const v16 *qv, const ui
                 #pragma GCC unroll 16
                 for (int j = 0; j < 16; j++) pr[BITREV4[j]] = dot_bf16(qh + g * D, k[j], D);
                 const v16 s = sum16x16(pr) * scale;
-                memcpy(scores + g * Lp + t0, &s, sizeof s);
+                store16(scores + g * Lp + t0, s);
                 maxv[g] = vmax(maxv[g], s);
             }
             continue;
@@ -359,7 +502,7 @@ static inline __attribute__((always_inline)) void attend(const v16 *qv, const ui
         for (int g = 0; g < G; g++) {
             v16 s = sum16x16(part + g * 16) * scale;
             for (int j = m; j < 16; j++) s[j] = -INFINITY;
-            memcpy(scores + g * Lp + t0, &s, sizeof s);
+            store16(scores + g * Lp + t0, s);
             maxv[g] = vmax(maxv[g], s);
         }
     }
@@ -372,10 +515,10 @@ static inline __attribute__((always_inline)) void attend(const v16 *qv, const ui
         v16 sv = {0};
         for (int64_t t0 = 0; t0 < L; t0 += 16) {
             v16 s;
-            memcpy(&s, scores + g * Lp + t0, sizeof s);
+            s = load16(scores + g * Lp + t0);
             v16 p = exp16(s - mx);
             for (int j = L - t0 < 16 ? (int)(L - t0) : 16; j < 16; j++) p[j] = 0.0f;
-            memcpy(scores + g * Lp + t0, &p, sizeof p);
+            store16(scores + g * Lp + t0, p);
 #if HAVE_DOT_BF16
             if (qh != NULL) {
                 __m512 pf;
@@ -439,8 +582,11 @@ typedef struct {
 
 static inline int64_t tile_len(work w, const int64_t *lens) { return lens[w.row + w.rows - 1]; }
 
-/* Tiles are bf16 dot products: a bf16 cache on AVX512-BF16, head sizes of 32 to 256. */
-static inline int tiles_apply(int bf16, int D) { return bf16 && HAVE_DOT_BF16 && D % 32 == 0 && D <= 256; }
+/* Which tile a chunk's rows take: bf16 dot products (attend_tile) for a bf16 cache on
+ * AVX512-BF16 and head sizes a multiple of 32, else float32 FMAs (attend_tile_f32); heads of
+ * up to 256. */
+static inline int tiles_in_bf16(int bf16, int D) { return bf16 && HAVE_DOT_BF16 && D % 32 == 0; }
+static inline int tiles_apply(int D) { return D % 16 == 0 && D <= 256; }
 
 /* The work of one call into plan (B + 1 entries): tiles first, the longest contexts first (so
  * the threads end together), then single rows; task i is plan[i / KV] for KV head i % KV.
@@ -475,8 +621,9 @@ int paged_decode_attention_tiles(const int64_t *block_tables, const int64_t *con
                                  int block_size, int D, int bf16) {
     work *plan = (work *)malloc(sizeof(work) * (B + 1));
     int n_tiles;
-    make_plan(plan, &n_tiles, block_tables, context_lens, B, W, block_size, tiles_apply(bf16, D));
+    make_plan(plan, &n_tiles, block_tables, context_lens, B, W, block_size, tiles_apply(D));
     free(plan);
+    (void)bf16;
     return n_tiles;
 }
 
@@ -495,7 +642,8 @@ void paged_decode_attention(const void *q, const void *k_cache, const void *v_ca
     const int64_t Lp = (max_len + 15) / 16 * 16;
     work *plan = (work *)malloc(sizeof(work) * (B + 1));
     int n_tiles;
-    const int n_work = make_plan(plan, &n_tiles, block_tables, context_lens, B, W, block_size, tiles_apply(bf16, D));
+    const int n_work = make_plan(plan, &n_tiles, block_tables, context_lens, B, W, block_size, tiles_apply(D));
+    const int tile_bf16 = tiles_in_bf16(bf16, D);
     const int tasks = n_work * KV;
     int claimed = 0;
     #pragma omp parallel num_threads(num_threads)
@@ -505,10 +653,11 @@ void paged_decode_attention(const void *q, const void *k_cache, const void *v_ca
         v16 *qv = (v16 *)aligned_alloc(64, sizeof(v16) * (2 * G * n + 16 * G) + (6 * G * Lp + 63) / 64 * 64 + 64);
         v16 *acc = qv + G * n, *part = acc + G * n;
         float *scores = (float *)(part + 16 * G);
+        /* A tile's buffers: attend_tile's (bf16) or attend_tile_f32's, one block of memory. */
+        void *tile_mem = NULL;
 #if HAVE_DOT_BF16
         tile_buffers tb = {0};
-        void *tile_mem = NULL;
-        if (n_tiles) {
+        if (n_tiles && tile_bf16) {
             const size_t sizes[5] = {sizeof(float) * G * Lp * TILE, sizeof(uint32_t) * G * (D / 2) * TILE,
                                      sizeof(__m512) * (TILE / 2) * n, sizeof(uint32_t) * (TILE / 2) * TILE,
                                      sizeof(__m512) * TILE * G * n};
@@ -522,6 +671,18 @@ void paged_decode_attention(const void *q, const void *k_cache, const void *v_ca
             tb.acc = (__m512 *)m;
         }
 #endif
+        tile_f32_buffers tf = {0};
+        if (n_tiles && !tile_bf16) {
+            const size_t sizes[4] = {sizeof(float) * G * Lp * TILE, sizeof(v16) * G * D, sizeof(float) * 16 * D,
+                                     sizeof(v16) * G * D};
+            size_t total = 0;
+            for (int i = 0; i < 4; i++) total += (sizes[i] + 63) / 64 * 64;
+            char *m = (char *)(tile_mem = aligned_alloc(64, total));
+            tf.scores = (float *)m; m += (sizes[0] + 63) / 64 * 64;
+            tf.qpack = (v16 *)m; m += (sizes[1] + 63) / 64 * 64;
+            tf.rows = (float *)m; m += (sizes[2] + 63) / 64 * 64;
+            tf.acc = (v16 *)m;
+        }
         /* Dynamic scheduling, each thread holding the claim on its next task while it runs
          * this one, so it knows which rows to ask for. */
         int task = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
@@ -533,15 +694,20 @@ void paged_decode_attention(const void *q, const void *k_cache, const void *v_ca
             const char *vh = (const char *)v_cache + (int64_t)kv * S * row_bytes;
             const int64_t head0 = (int64_t)b * H + (int64_t)kv * G;
             const char *qg = (const char *)q + ((int64_t)b * q_stride + (int64_t)kv * G * D) * elem;
-#if HAVE_DOT_BF16
             if (w.rows) {
-                tile_any((const uint16_t *)qg, q_stride, kh, vh, block_tables + (int64_t)b * W, context_lens[b],
-                         w.rows, G, D, block_size, scale, row_bytes, tb, (uint16_t *)out + head0 * D,
-                         (int64_t)H * D);
+#if HAVE_DOT_BF16
+                if (tile_bf16)
+                    tile_any((const uint16_t *)qg, q_stride, kh, vh, block_tables + (int64_t)b * W, context_lens[b],
+                             w.rows, G, D, block_size, scale, row_bytes, tb, (uint16_t *)out + head0 * D,
+                             (int64_t)H * D);
+                else
+#endif
+                    tile_f32_any(qg, q_stride, kh, vh, block_tables + (int64_t)b * W, context_lens[b], w.rows, G, D,
+                                 block_size, scale, bf16, row_bytes, tf, (char *)out + head0 * D * elem,
+                                 (int64_t)H * D);
                 task = after;
                 continue;
             }
-#endif
             next_task next = {NULL, NULL, 0};
             if (after < tasks && !plan[after / KV].rows) {
                 const int nb = plan[after / KV].row;
@@ -565,9 +731,7 @@ void paged_decode_attention(const void *q, const void *k_cache, const void *v_ca
             task = after;
         }
         free(qv);
-#if HAVE_DOT_BF16
         free(tile_mem);
-#endif
     }
     free(plan);
 }

@@ -8,6 +8,83 @@
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__cplusplus) && !defined(__AVX512F__)
+#include "vec16_avx2.h"
+
+static inline v16 widen(const uint16_t *p) {
+    return v16(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16)),
+               _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 8))), 16)));
+}
+static inline v16i widen_u8(const uint8_t *p) {
+    return v16i(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)),
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
+}
+static inline v16i widen_s8(const int8_t *p) {
+    return v16i(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)),
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
+}
+static inline v16 load16(const float *p) { return v16(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
+static inline void store16(float *p, v16 f) { _mm256_storeu_ps(p, f.lo); _mm256_storeu_ps(p + 8, f.hi); }
+/* The same 512 bits as another lane type (memcpy would move them through the stack here). */
+static inline v16i as_int(v16 f) { return v16i(_mm256_castps_si256(f.lo), _mm256_castps_si256(f.hi)); }
+static inline v16u as_uint(v16 f) { return v16u(_mm256_castps_si256(f.lo), _mm256_castps_si256(f.hi)); }
+static inline v16 int_as_float(v16i i) { return v16(_mm256_castsi256_ps(i.lo), _mm256_castsi256_ps(i.hi)); }
+static inline v16 uint_as_float(v16u u) { return v16(_mm256_castsi256_ps(u.lo), _mm256_castsi256_ps(u.hi)); }
+static inline v16 to_float16(v16i i) { return v16(_mm256_cvtepi32_ps(i.lo), _mm256_cvtepi32_ps(i.hi)); }
+static inline v16i to_int16(v16 f) { return v16i(_mm256_cvttps_epi32(f.lo), _mm256_cvttps_epi32(f.hi)); }
+/* The low 16 bits of each lane. */
+static inline v16h narrow16(v16u u) {
+    const __m256i low = _mm256_set1_epi32(0xffff);
+    const __m256i packed = _mm256_permute4x64_epi64(
+        _mm256_packus_epi32(_mm256_and_si256(u.lo, low), _mm256_and_si256(u.hi, low)), 0xd8);
+    v16h h;
+    memcpy(&h, &packed, sizeof h);
+    return h;
+}
+/* (a > b) ? a : b per lane, as maxps is. */
+static inline v16 vmax(v16 a, v16 b) { return v16(_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)); }
+
+/* hsum, hmax and sum16x16 below pair the lanes as the vector-extension versions do (same bits). */
+static inline __m256 swap_halves(__m256 x) { return _mm256_permute2f128_ps(x, x, 1); }
+static inline float hsum(v16 a) {
+    __m256 x = _mm256_add_ps(a.lo, a.hi);
+    x = _mm256_add_ps(x, swap_halves(x));
+    x = _mm256_add_ps(x, _mm256_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
+    x = _mm256_add_ps(x, _mm256_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm256_cvtss_f32(x);
+}
+static inline float hmax(v16 a) {
+    __m256 x = _mm256_max_ps(a.lo, a.hi);
+    x = _mm256_max_ps(x, swap_halves(x));
+    x = _mm256_max_ps(x, _mm256_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
+    x = _mm256_max_ps(x, _mm256_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm256_cvtss_f32(x);
+}
+/* The tree's four folds: lanes of `a` to the low half of every 2w-lane block, `b` the high. */
+static inline v16 fold8(v16 a, v16 b) { return v16(_mm256_add_ps(a.lo, a.hi), _mm256_add_ps(b.lo, b.hi)); }
+static inline __m256 fold4_half(__m256 a, __m256 b) {
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+static inline v16 fold4(v16 a, v16 b) { return v16(fold4_half(a.lo, b.lo), fold4_half(a.hi, b.hi)); }
+static inline __m256 fold2_half(__m256 a, __m256 b) {
+    const __m256d x = _mm256_castps_pd(a), y = _mm256_castps_pd(b);
+    return _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+}
+static inline v16 fold2(v16 a, v16 b) { return v16(fold2_half(a.lo, b.lo), fold2_half(a.hi, b.hi)); }
+static inline __m256 fold1_half(__m256 a, __m256 b) {
+    const __m256 sa = _mm256_add_ps(a, _mm256_permute_ps(a, _MM_SHUFFLE(2, 3, 0, 1)));
+    const __m256 sb = _mm256_add_ps(b, _mm256_permute_ps(b, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm256_blend_ps(sa, sb, 0xaa);
+}
+static inline v16 fold1(v16 a, v16 b) { return v16(fold1_half(a.lo, b.lo), fold1_half(a.hi, b.hi)); }
+static inline v16 sum16x16(const v16 *r) {
+    v16 x[8], y[4], z[2];
+    for (int i = 0; i < 8; i++) x[i] = fold8(r[2 * i], r[2 * i + 1]);
+    for (int i = 0; i < 4; i++) y[i] = fold4(x[2 * i], x[2 * i + 1]);
+    for (int i = 0; i < 2; i++) z[i] = fold2(y[2 * i], y[2 * i + 1]);
+    return fold1(z[0], z[1]);
+}
+#else
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
@@ -70,33 +147,15 @@ static inline v16 load16(const float *p) {
     memcpy(&f, p, sizeof f);
     return f;
 }
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as torch rounds float32 to bf16. */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);   /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-/* 16 float32 lanes rounded to bf16 (nearest even, as f32_to_bf16: a NaN stays a NaN) and stored. */
-static inline void round_to_bf16(v16 f, uint16_t *out) {
-    v16u u;
-    memcpy(&u, &f, sizeof u);
-    v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    v16u nan = (v16u)((u & 0x7fffffffu) > 0x7f800000u);
-    v16u r = (rounded & ~nan) | (((u >> 16) | 0x40u) & nan);
-    v16h h = __builtin_convertvector(r, v16h);
-    memcpy(out, &h, sizeof h);
-}
+static inline void store16(float *p, v16 f) { memcpy(p, &f, sizeof f); }
+static inline v16i as_int(v16 f) { return (v16i)f; }          /* the same bits as another lane type */
+static inline v16u as_uint(v16 f) { return (v16u)f; }
+static inline v16 int_as_float(v16i i) { return (v16)i; }
+static inline v16 uint_as_float(v16u u) { return (v16)u; }
+static inline v16 splat16(float s) { return (v16){0} + s; }
+static inline v16 to_float16(v16i i) { return __builtin_convertvector(i, v16); }
+static inline v16i to_int16(v16 f) { return __builtin_convertvector(f, v16i); }
+static inline v16h narrow16(v16u u) { return __builtin_convertvector(u, v16h); }   /* the low 16 bits */
 
 /* Sum of the 16 lanes as a tree of shuffles (4 steps): a plain loop over the lanes is a chain
  * of 16 dependent additions (the compiler may not reorder float sums), 4x slower here. */
@@ -109,13 +168,8 @@ static inline float hsum(v16 a) {
 }
 
 static inline v16 vmax(v16 a, v16 b) {
-    v16i gt = a > b;
-    v16i ai, bi;
-    memcpy(&ai, &a, sizeof ai);
-    memcpy(&bi, &b, sizeof bi);
-    v16i r = (gt & ai) | (~gt & bi);
-    memcpy(&a, &r, sizeof a);
-    return a;
+    const v16i gt = a > b;
+    return int_as_float((gt & as_int(a)) | (~gt & as_int(b)));
 }
 
 static inline float hmax(v16 a) {
@@ -124,49 +178,6 @@ static inline float hmax(v16 a) {
     a = vmax(a, __builtin_shuffle(a, (v16i){2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1}));
     a = vmax(a, __builtin_shuffle(a, (v16i){1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0}));
     return a[0];
-}
-
-/* e^x for x <= 0 (a softmax's scores minus their max), 16 at a time: x = n ln2 + r with
- * |r| <= ln2/2, e^r by Cephes' expf polynomial (about 1 ulp), 2^n put into the exponent
- * bits. Below -87 (where float32 e^x is denormal or zero) the result is e^-87, about 1e-38. */
-static inline v16 exp16(v16 x) {
-    x = vmax(x, (v16){0} - 87.0f);
-    v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;   /* round to nearest */
-    v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;                 /* ln2 in two parts */
-    v16 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
-    v16 scale;
-    memcpy(&scale, &e, sizeof scale);
-    return p * scale;
-}
-
-/* silu(g) = g * sigmoid(g), the sigmoid from e^-|g| (never overflows); below -88.72 it is -0,
- * as torch's g / (1 + e^-g) is once e^-g overflows. */
-static inline v16 silu16(v16 g) {
-    v16i neg = g < 0;
-    v16 mag = g;
-    v16u bits;
-    memcpy(&bits, &mag, sizeof bits);
-    bits &= 0x7fffffffu;
-    memcpy(&mag, &bits, sizeof mag);
-    v16 e = exp16((v16){0} - mag);                       /* e^-|g| in (0, 1] */
-    /* sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) below: one division with the numerator
-     * picked first, the same IEEE quotient as either form (Intel Xeon with AMX, 2048 x 1536
-     * values: 1.40-2.03 -> 1.26-1.85 ms against two divisions) */
-    v16i gone = mag > 88.72f;        /* torch: e^|g| overflows, g / inf = -0 */
-    v16 one = 1.0f + (v16){0};
-    v16i eb, ob;
-    memcpy(&eb, &e, sizeof eb);
-    memcpy(&ob, &one, sizeof ob);
-    v16i num_bits = (neg & ~gone & eb) | (~neg & ob);   /* 0 where the sigmoid is 0 */
-    v16 num;
-    memcpy(&num, &num_bits, sizeof num);
-    return g * (num / (1.0f + e));
 }
 
 /* Two vectors folded into one, each keeping half its lanes' sums: lanes of `a` fill the low
@@ -191,6 +202,69 @@ static inline v16 sum16x16(const v16 *r) {
     return FOLD(z[0], z[1], M1L, M1H);
 }
 
+#endif
+
 static const int BITREV4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+/* a where mask (-1), else b. */
+static inline v16 select16(v16i mask, v16 a, v16 b) {
+    return int_as_float((mask & as_int(a)) | (~mask & as_int(b)));
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, as torch rounds float32 to bf16. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);   /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* 16 float32 lanes rounded to bf16 (nearest even, as f32_to_bf16: a NaN stays a NaN) and stored. */
+static inline void round_to_bf16(v16 f, uint16_t *out) {
+    const v16u u = as_uint(f);
+    v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    v16u nan = (v16u)((u & 0x7fffffffu) > 0x7f800000u);
+    v16u r = (rounded & ~nan) | (((u >> 16) | 0x40u) & nan);
+    v16h h = narrow16(r);
+    memcpy(out, &h, sizeof h);
+}
+
+/* e^x for x <= 0 (a softmax's scores minus their max), 16 at a time: x = n ln2 + r with
+ * |r| <= ln2/2, e^r by Cephes' expf polynomial (about 1 ulp), 2^n put into the exponent
+ * bits. Below -87 (where float32 e^x is denormal or zero) the result is e^-87, about 1e-38. */
+static inline v16 exp16(v16 x) {
+    x = vmax(x, (v16){0} - 87.0f);
+    v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;   /* round to nearest */
+    v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;                 /* ln2 in two parts */
+    v16 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return p * int_as_float((to_int16(n) + 127) << 23);
+}
+
+/* silu(g) = g * sigmoid(g), the sigmoid from e^-|g| (never overflows); below -88.72 it is -0,
+ * as torch's g / (1 + e^-g) is once e^-g overflows. */
+static inline v16 silu16(v16 g) {
+    v16i neg = g < 0;
+    v16 mag = uint_as_float(as_uint(g) & 0x7fffffffu);
+    v16 e = exp16((v16){0} - mag);                       /* e^-|g| in (0, 1] */
+    /* sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) below: one division with the numerator
+     * picked first, the same IEEE quotient as either form (Intel Xeon with AMX, 2048 x 1536
+     * values: 1.40-2.03 -> 1.26-1.85 ms against two divisions) */
+    v16i gone = mag > 88.72f;        /* torch: e^|g| overflows, g / inf = -0 */
+    const v16 num = int_as_float((neg & ~gone & as_int(e)) | (~neg & as_int(splat16(1.0f))));   /* 0 where the sigmoid is 0 */
+    return g * (num / (1.0f + e));
+}
 
 #endif
