@@ -3,8 +3,8 @@
 The source is compiled with the host's C compiler (-O3 -march=native -fopenmp) into a cache
 directory keyed by the source, the shared headers (csrc/*.h), the compiler, the flags and the
 CPU, so a machine with other vector units (AVX2 only, AVX-512, AMX) builds its own. A target
-without AVX-512 builds the same source as C++ (see _compiler). ctypes releases the GIL during a call. Where no
-compiler is found or the build fails, load() returns None and callers use their torch path;
+without AVX-512 builds the same source as C++ where it can (see _cxx). ctypes releases the GIL
+during a call. Where no compiler is found or the build fails, load() returns None and callers use their torch path;
 TESSERA_DISABLE_CPU_KERNELS=1 does the same on purpose (for A/B measurements). TESSERA_MARCH
 (default native) picks the target CPU.
 """
@@ -42,10 +42,19 @@ def _build(name: str) -> ctypes.CDLL | None:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         return None
-    compiler, lang = _compiler(cc)
+    cxx = _cxx(cc)
+    if cxx is not None:
+        lib = _compile(name, cxx, ["-x", "c++", "-std=gnu++17", "-I", str(_CSRC)], _CXX_WRAPPER.format(name=name))
+        if lib is not None:
+            return lib
+    return _compile(name, cc, [], None)
+
+
+def _compile(name: str, compiler: str, lang: list[str], stdin: str | None) -> ctypes.CDLL | None:
+    """csrc/<name>.c built with `compiler` (C, or C++ from `stdin`) into the cache and loaded."""
     src = _CSRC / f"{name}.c"
     headers = b"".join(h.read_bytes() for h in sorted(_CSRC.glob("*.h")))
-    key = hashlib.sha256(src.read_bytes() + headers + " ".join([compiler, *lang, *_FLAGS, _CXX_WRAPPER if lang else ""]).encode()
+    key = hashlib.sha256(src.read_bytes() + headers + " ".join([compiler, *lang, *_FLAGS, stdin or ""]).encode()
                          + _cpu_id()).hexdigest()[:16]
     cache = pathlib.Path(os.environ.get("TESSERA_CACHE", pathlib.Path.home() / ".cache" / "tessera"))
     so = cache / "kernels" / f"{name}-{key}.so"
@@ -53,20 +62,17 @@ def _build(name: str) -> ctypes.CDLL | None:
         if not so.exists():
             so.parent.mkdir(parents=True, exist_ok=True)
             tmp = so.with_suffix(f".{os.getpid()}.tmp")
-            if lang:   # C++: the source's functions keep their C names for ctypes
-                subprocess.run([compiler, *lang, *_FLAGS, "-I", str(_CSRC), "-", "-o", str(tmp), "-lm"],
-                               input=_CXX_WRAPPER.format(name=name).encode(), check=True, capture_output=True,
-                               timeout=120)
-            else:
-                subprocess.run([compiler, *_FLAGS, str(src), "-o", str(tmp), "-lm"], check=True,
-                               capture_output=True, timeout=120)
+            source = "-" if stdin is not None else str(src)
+            subprocess.run([compiler, *lang, *_FLAGS, source, "-o", str(tmp), "-lm"], check=True,
+                           input=stdin.encode() if stdin is not None else None, capture_output=True, timeout=120)
             os.replace(tmp, so)
         return ctypes.CDLL(str(so))
     except (OSError, subprocess.SubprocessError):
         return None
 
 
-# The headers first (C++ ones may not sit inside extern "C"), then the source with C linkage.
+# A C++ build's source: the headers first (C++ ones may not sit inside extern "C"), then the
+# kernel with C linkage, so that ctypes finds its functions by their C names.
 _CXX_WRAPPER = """#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -82,14 +88,13 @@ extern "C" {{
 
 
 @functools.cache
-def _compiler(cc: str) -> tuple[str, list[str]]:
-    """The compiler and language for the target: C, or, where the target has no AVX-512 and a
-    C++ compiler is found, the same source as C++, so that vec16.h gives its 16 lanes as two
-    AVX2 registers (vec16_avx2.h says why: GCC's 64-byte vectors go through memory there)."""
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if cxx is None or _target_has_avx512(cc):
-        return cc, []
-    return cxx, ["-x", "c++", "-std=gnu++17"]   # the source comes on stdin (_CXX_WRAPPER)
+def _cxx(cc: str) -> str | None:
+    """The C++ compiler for a target without AVX-512, where one is found: the same source built
+    as C++ gives vec16.h's 16 lanes as two AVX2 registers (vec16_avx2.h says why: GCC's 64-byte
+    vectors go through memory there). None: build as C (correct everywhere, slower there)."""
+    if _target_has_avx512(cc):
+        return None
+    return shutil.which(os.environ.get("CXX") or "g++") or shutil.which("c++")
 
 
 @functools.cache
