@@ -6,11 +6,12 @@ row of one kernel call straight from the paged cache: a prompt token is a query 
 ends at itself (ForwardBatch's causal rows; the kernel takes a chunk's rows 16 at a time). For
 prompt chunks of 128 to 2048 tokens it was 1.4-2.4x faster than torch's SDPA on AMD EPYC Zen 5
 (2 threads, SmolLM2's heads); with the tiles, on Zen 4, 16 prompts of 128 tokens over 30
-layers take 63 ms against SDPA's 173, one of 2000 tokens 545 against 1154. Where the
-CPU has AMX, bf16 prompt chunks that start at position 0 go to SDPA instead (prompts_by_sdpa),
-whose flash attention runs its products on AMX: 16 prompts of 128 tokens, 30 layers, 52 ms
-against the kernel's 134 ms (Intel Xeon, 2 threads); decode rows stay on the kernel, and so
-does a step with a chunk after cached tokens (SDPA would gather its context).
+layers take 63 ms against SDPA's 173, one of 2000 tokens 545 against 1154 (float32: 810
+against 1170). Where the CPU has AMX, bf16 prompt chunks that start at position 0 go to SDPA
+instead (prompts_by_sdpa), whose flash attention runs its products on AMX: 16 prompts of 128
+tokens, 30 layers, 52 ms against the kernel's 134 ms (Intel Xeon, 2 threads); decode rows stay
+on the kernel, and so does a step with a chunk after cached tokens (SDPA would gather its
+context).
 Without the kernel, decode tokens attend as one batch whose blocks are gathered whole (one
 index_select per layer, already [kv_heads, B, L, D] in this layout), query heads sharing a
 KV head grouped so GQA needs no copy of K/V; each prefill chunk attends causally through
