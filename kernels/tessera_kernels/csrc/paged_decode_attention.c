@@ -632,7 +632,7 @@ int paged_decode_attention_tiles(const int64_t *block_tables, const int64_t *con
 /* q, out: [B, H, D] and caches [KV, S, D], all float32 (bf16 = 0) or all bfloat16 (bf16 = 1);
  * q's tokens q_stride elements apart (its heads contiguous: a view of the fused QKV output
  * needs no copy), out contiguous. Runs of at least TILE_MIN rows of one prompt chunk go in
- * tiles (bf16 on AVX512-BF16), every other row alone. */
+ * tiles (bf16 dot products on AVX512-BF16, float32 FMAs otherwise), every other row alone. */
 void paged_decode_attention(const void *q, const void *k_cache, const void *v_cache,
                             const int64_t *block_tables, const int64_t *context_lens,
                             void *out, int B, int H, int KV, int D, int W, int block_size,

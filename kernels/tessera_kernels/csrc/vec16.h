@@ -1,6 +1,9 @@
 /* Sixteen float32 lanes and the bf16 helpers the CPU kernels share. A v16 is one AVX-512
- * register, or two AVX2 ones (the compiler splits it), so every kernel has one source for
- * both kinds of machine. bf16 is the top half of a float32: widening is a 16-bit shift. */
+ * register (GCC's vector extension), or, in the C++ build for a CPU without AVX-512, two AVX2
+ * ones (vec16_avx2.h: the vector extension would keep it in memory there), so every kernel has
+ * one source for both kinds of machine. Vectors are copied to and from memory with load16 /
+ * store16 and reinterpreted with as_int / int_as_float (...), which both builds define. bf16 is
+ * the top half of a float32: widening is a 16-bit shift. */
 #ifndef TESSERA_VEC16_H
 #define TESSERA_VEC16_H
 

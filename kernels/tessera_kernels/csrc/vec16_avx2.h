@@ -19,15 +19,23 @@
 struct v16;
 struct v16u;
 
+/* A brace list's values as 16 lanes, as GCC's vectors take them: the lanes not given are 0. */
+template <typename T>
+static inline void lanes(std::initializer_list<T> xs, T *f) {
+    int i = 0;
+    for (T x : xs)
+        if (i < 16) f[i++] = x;
+    for (; i < 16; i++) f[i] = 0;
+}
+
 /* 16 int32 lanes; a comparison's result (-1 where true, 0 where false) as in GCC's vectors. */
 struct v16i {
     __m256i lo, hi;
     v16i() = default;
     v16i(__m256i l, __m256i h) : lo(l), hi(h) {}
     v16i(std::initializer_list<int32_t> xs) {   /* lanes not given are 0 */
-        int32_t f[16] = {0};
-        int i = 0;
-        for (int32_t x : xs) f[i++] = x;
+        int32_t f[16];
+        lanes(xs, f);
         lo = _mm256_loadu_si256((const __m256i *)f);
         hi = _mm256_loadu_si256((const __m256i *)(f + 8));
     }
@@ -53,9 +61,8 @@ struct v16 {
     v16() = default;
     v16(__m256 l, __m256 h) : lo(l), hi(h) {}
     v16(std::initializer_list<float> xs) {      /* lanes not given are 0 */
-        float f[16] = {0};
-        int i = 0;
-        for (float x : xs) f[i++] = x;
+        float f[16];
+        lanes(xs, f);
         lo = _mm256_loadu_ps(f);
         hi = _mm256_loadu_ps(f + 8);
     }
