@@ -4,9 +4,9 @@ The source is compiled with the host's C compiler (-O3 -march=native -fopenmp) i
 directory keyed by the source, the shared headers (csrc/*.h), the compiler, the flags and the
 CPU, so a machine with other vector units (AVX2 only, AVX-512, AMX) builds its own. A target
 without AVX-512 builds the same source as C++ where it can (see _cxx). ctypes releases the GIL
-during a call. Where no compiler is found or the build fails, load() returns None and callers use their torch path;
-TESSERA_DISABLE_CPU_KERNELS=1 does the same on purpose (for A/B measurements). TESSERA_MARCH
-(default native) picks the target CPU.
+during a call. Where no compiler is found or the build fails, load() returns None and callers
+use their torch path; TESSERA_DISABLE_CPU_KERNELS=1 does the same on purpose (for A/B
+measurements). TESSERA_MARCH (default native) picks the target CPU.
 """
 from __future__ import annotations
 
