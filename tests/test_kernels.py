@@ -408,23 +408,27 @@ _TILE_DTYPES = pytest.mark.parametrize("dtype", [
 
 
 @_TILE_DTYPES
+@pytest.mark.parametrize("tiles", tile_linear.TILES)
 @pytest.mark.parametrize("M", [1, 5, 7, 8, 9, 64, 259, 300])
 @pytest.mark.parametrize("N,K,bias", [(960, 576, False), (576, 1536, True), (80, 64, True), (32, 34, True),
                                       (16, 2, False)])
-def test_tile_linear_matches_its_reference_and_onednn(dtype, M, N, K, bias):
+def test_tile_linear_matches_its_reference_and_onednn(dtype, tiles, M, N, K, bias):
     """Row counts on and off the register tiles (every tail of the 8- and 4-row tiles) and past
     one 256-row chunk, full panels, a full one then a narrower one (N = 80 with 16 lanes: 3 + 2
     blocks), narrow ones alone (32, 16), a bias, and x a view whose rows are further apart than K:
     close to the float64 product of the same values (bf16: rounded once), and to oneDNN's linear
-    (bf16: but for last-bit differences in a few elements, another split of the sums)."""
+    (bf16: but for last-bit differences in a few elements, another split of the sums). bf16 runs
+    both of its tiles (vdpbf16ps and FMA), whichever this CPU would pick."""
     if dtype == torch.bfloat16 and M < tile_linear.BF16_MIN_ROWS:
         pytest.skip("the GEMV's rows")
+    if dtype == torch.float32 and tiles != tile_linear.TILES[0]:
+        pytest.skip("float32 has one tile")
     g = torch.Generator().manual_seed(M * N + K)
     w = torch.randn(N, K, generator=g).to(dtype)
     x = torch.randn(M, K + 64, generator=g).to(dtype)[:, 32:32 + K]
     b = torch.randn(N, generator=g).to(dtype) if bias else None
     assert tile_linear.applies(x, w)
-    y = tile_linear.linear(x, tile_linear.pack(w), b, N)
+    y = tile_linear.linear(x, tile_linear.pack(w), b, N, tiles=tiles)
     exact = F.linear(x.double(), w.double(), None if b is None else b.double())
     onednn = torch.ops.mkldnn._linear_pointwise(x.contiguous(), torch.ops.mkldnn._reorder_linear_weight(w, None),
                                                 b, "none", [], "")

@@ -5,6 +5,9 @@
   step at batch 64 and every prompt chunk are bound by the bf16 dot products there, and
   oneDNN's matmul used 320 of the 450 GFLOP/s two Zen 4 cores give. SmolLM2's 121 linears,
   Zen 4: 64 rows 49-55 -> 42-44 ms, 8 rows 14-16 -> 8-9.4 ms, 2048 rows 1406 -> 1352 ms.
+  Intel cores without AMX run vdpbf16ps at a fraction of their FMA rate (Sapphire Rapids with
+  AMX hidden, one core: 78 against 129 GFLOP/s), so there the same panels go through float32
+  FMAs instead (bf16_tiles() measures which of the two is faster, once per process).
 - float32, any row count, on CPUs with AVX2 and FMA (float32 is --dtype auto where the CPU has
   no native bf16): 1 row 22-23 -> 11-16.5 ms, 64 rows 92-97 -> 83-85 ms (Zen 4; see the C source).
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import time
 
 import torch
 
@@ -50,8 +54,32 @@ def _library(dtype: torch.dtype) -> tuple[ctypes.CDLL, int] | None:
     else:
         return None
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+    fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+                   + [ctypes.c_int] * (dtype == torch.bfloat16))   # bf16: 1 for the FMA tiles
     return fn, lanes
+
+
+TILES = ("dot", "fma")   # bf16: vdpbf16ps tiles, or float32 FMAs over the same packed weight
+
+
+@functools.cache
+def bf16_tiles() -> str:
+    """The bf16 tiles this CPU runs faster: each timed on the same in-cache product (8 rows, K
+    1024, 192 columns: compute-bound, ~3 MFLOP), one thread, best of 15 interleaved calls; where
+    one is 2x the other (Zen 4: dot; Sapphire Rapids without AMX: fma at 1.6x) drift cannot flip
+    the choice. TESSERA_BF16_TILES=dot|fma chooses instead."""
+    chosen = os.environ.get("TESSERA_BF16_TILES")
+    if chosen in TILES:
+        return chosen
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(8, 1024, generator=g).bfloat16(), torch.randn(192, 1024, generator=g).bfloat16()
+    packed, best = pack(w), dict.fromkeys(TILES, float("inf"))
+    for _ in range(15):
+        for tiles in TILES:
+            t = time.perf_counter()
+            _linear(x, packed, None, 192, 1, tiles)
+            best[tiles] = min(best[tiles], time.perf_counter() - t)
+    return min(TILES, key=best.get)
 
 
 def available(dtype: torch.dtype) -> bool:
@@ -90,16 +118,23 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts).contiguous()
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, N: int) -> torch.Tensor:
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, N: int,
+           tiles: str | None = None) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) -> [M, N] in x's dtype, W given packed; callers check applies()
-    first."""
+    first. tiles (bf16): bf16_tiles() unless given."""
+    return _linear(x, packed, bias, N, torch.get_num_threads(), tiles)
+
+
+def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, N: int, threads: int,
+            tiles: str | None) -> torch.Tensor:
     M, K = x.shape
     if packed.dtype != x.dtype or packed.numel() != N * K:
         raise ValueError(f"tile_linear: a packed weight of {packed.numel()} {packed.dtype} for x {tuple(x.shape)} and N={N}")
     y = torch.empty(M, N, dtype=x.dtype)
     b = None if bias is None else bias.float().contiguous()   # both kernels add a float32 bias
     fn = _library(x.dtype)[0]
+    fma = () if x.dtype != torch.bfloat16 else (TILES.index(tiles or bf16_tiles()),)
     if fn(x.data_ptr(), x.stride(0), packed.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
-          M, N, K, torch.get_num_threads()) != 0:
+          M, N, K, threads, *fma) != 0:
         raise ValueError(f"tile_linear: shapes out of range (M={M}, N={N}, K={K})")
     return y

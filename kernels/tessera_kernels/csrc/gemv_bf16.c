@@ -13,6 +13,10 @@
 #include "vec16.h"
 
 #define MAX_ROWS 4
+/* Each thread streams its columns' weights in order; the hardware prefetcher alone left them
+ * at 16 GB/s of the 25 a plain read gets on an Intel Xeon (model 207, 2 cores): asking for the
+ * line 4 KiB ahead made SmolLM2's 121 one-row products 15-17 -> 11-13 ms. */
+#define PREFETCH_BYTES 4096
 
 /* Column n of y for all M rows: one weight row streamed once. Inlined with M a constant
  * (see gemv_bf16), so the M accumulators live in registers (with M a variable they spill,
@@ -25,6 +29,7 @@ void column(const v16 *xs, const uint16_t *w, const uint16_t *bias, uint16_t *y,
     v16 acc[MAX_ROWS];
     for (int m = 0; m < M; m++) acc[m] = (v16){0};
     for (int i = 0; i < n16; i++) {
+        if ((i & 1) == 0) __builtin_prefetch((const char *)(row + 16 * i) + PREFETCH_BYTES);
         v16 wv = widen(row + 16 * i);
         for (int m = 0; m < M; m++) acc[m] += xs[m * n16 + i] * wv;
     }

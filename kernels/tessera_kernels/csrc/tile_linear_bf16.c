@@ -19,6 +19,7 @@
  * 10^4 differs from its result in the last bit).
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -27,6 +28,16 @@
 #define NV_MAX 3   /* 16-column blocks per panel */
 #define MR 8       /* rows per register tile: 8 x 3 accumulators + 3 weight vectors */
 #define M_CHUNK 256 /* rows of x per pass over the panels (a chunk of x stays in L2) */
+
+/* The tile's accumulators (+ bias) rounded once to bf16 into y. */
+static inline __attribute__((always_inline)) void store_tile(__m512 acc[MR][NV_MAX], const float *bias, uint16_t *y,
+                                                             int64_t ys, const int mr, const int nv) {
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < nv; v++) {
+            const __m512 out = bias ? _mm512_add_ps(acc[r][v], _mm512_loadu_ps(bias + 16 * v)) : acc[r][v];
+            _mm256_storeu_si256((__m256i *)(y + r * ys + 16 * v), (__m256i)_mm512_cvtneps_pbh(out));
+        }
+}
 
 static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_t xs, const uint16_t *wp,
                                                        const float *bias, uint16_t *y, int64_t ys,
@@ -45,55 +56,110 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
             for (int v = 0; v < nv; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, w[v]);
         }
     }
+    store_tile(acc, bias, y, ys, mr, nv);
+}
+
+/* The same tile by float32 FMAs, for cores that run vdpbf16ps at a fraction of their FMA rate
+ * (Intel without AMX: Sapphire/Emerald Rapids with AMX hidden by the hypervisor, one core 78
+ * GFLOP/s of vdpbf16ps against 129 of FMA; Cooper Lake). One load of a pair block gives both
+ * inputs' weights as float32, the even one shifted up 16 bits and the odd one with its low 16
+ * bits cleared, so the weights still cross memory as bf16; x comes as float32 (xf, converted once
+ * per call) and is broadcast from memory by the FMA itself. A bf16 product is exact in float32,
+ * so each FMA rounds once, as vdpbf16ps does per input on Intel (odd input first, then even:
+ * the order of its pseudocode). */
+static inline __attribute__((always_inline)) void tile_fma(const float *xf, int64_t xs, const uint16_t *wp,
+                                                           const float *bias, uint16_t *y, int64_t ys,
+                                                           int KP, const int mr, const int nv) {
+    __m512 acc[MR][NV_MAX];
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
     for (int r = 0; r < mr; r++)
+        for (int v = 0; v < nv; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int p = 0; p < KP; p++) {
+        const uint16_t *wk = wp + (int64_t)p * nv * 32;
+        __m512 even[NV_MAX], odd[NV_MAX];
         for (int v = 0; v < nv; v++) {
-            const __m512 out = bias ? _mm512_add_ps(acc[r][v], _mm512_loadu_ps(bias + 16 * v)) : acc[r][v];
-            _mm256_storeu_si256((__m256i *)(y + r * ys + 16 * v), (__m256i)_mm512_cvtneps_pbh(out));
+            const __m512i w = _mm512_loadu_si512((const void *)(wk + 32 * v));
+            even[v] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+            odd[v] = _mm512_castsi512_ps(_mm512_and_si512(w, high));
         }
+        for (int r = 0; r < mr; r++) {
+            const __m512 a1 = _mm512_set1_ps(xf[r * xs + 2 * p + 1]), a0 = _mm512_set1_ps(xf[r * xs + 2 * p]);
+            for (int v = 0; v < nv; v++) acc[r][v] = _mm512_fmadd_ps(a0, even[v], _mm512_fmadd_ps(a1, odd[v], acc[r][v]));
+        }
+    }
+    store_tile(acc, bias, y, ys, mr, nv);
 }
 
 /* One call per (rows, blocks) pair, so each is compiled with constant loop bounds and its
  * accumulators live in registers. */
-#define TILE(MRV, NVV) case (MRV) * 4 + (NVV): tile(x, xs, wp, bias, y, ys, KP, MRV, NVV); break;
-#define TILES(MRV) TILE(MRV, 1) TILE(MRV, 2) TILE(MRV, 3)
+#define TILE(F, MRV, NVV) case (MRV) * 4 + (NVV): F(x, xs, wp, bias, y, ys, KP, MRV, NVV); break;
+#define TILES(F, MRV) TILE(F, MRV, 1) TILE(F, MRV, 2) TILE(F, MRV, 3)
 
 static void tile_any(const uint16_t *x, int64_t xs, const uint16_t *wp, const float *bias, uint16_t *y,
                      int64_t ys, int KP, int mr, int nv) {
     switch (mr * 4 + nv) {
-        TILES(1) TILES(2) TILES(3) TILES(4) TILES(5) TILES(6) TILES(7) TILES(8)
+        TILES(tile, 1) TILES(tile, 2) TILES(tile, 3) TILES(tile, 4)
+        TILES(tile, 5) TILES(tile, 6) TILES(tile, 7) TILES(tile, 8)
+    }
+}
+
+static void tile_fma_any(const float *x, int64_t xs, const uint16_t *wp, const float *bias, uint16_t *y,
+                         int64_t ys, int KP, int mr, int nv) {
+    switch (mr * 4 + nv) {
+        TILES(tile_fma, 1) TILES(tile_fma, 2) TILES(tile_fma, 3) TILES(tile_fma, 4)
+        TILES(tile_fma, 5) TILES(tile_fma, 6) TILES(tile_fma, 7) TILES(tile_fma, 8)
     }
 }
 
 int tile_linear_bf16_built(void) { return 1; }
 
 /* x: [M, K] bf16, rows x_stride elements apart; w: packed as above; bias: [N] float32 or NULL;
- * y: [M, N] bf16 contiguous. N a multiple of 16, K even, x_stride >= K. Returns 0, or -1 for
- * shapes out of range. */
+ * y: [M, N] bf16 contiguous. N a multiple of 16, K even, x_stride >= K. fma: 0 for the
+ * vdpbf16ps tiles, 1 for the FMA ones. Returns 0, or -1 for shapes out of range or no memory. */
 int tile_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const float *bias, uint16_t *y,
-                     int M, int N, int K, int threads) {
+                     int M, int N, int K, int threads, int fma) {
     if (M < 1 || N % 16 || K % 2 || x_stride < K) return -1;
     const int KP = K / 2, NB = N / 16, panels = (NB + NV_MAX - 1) / NV_MAX;
+    float *xf = NULL;
+    if (fma && !(xf = malloc(sizeof(float) * (size_t)(M < M_CHUNK ? M : M_CHUNK) * K))) return -1;
     for (int m0 = 0; m0 < M; m0 += M_CHUNK) {
         const int m1 = M - m0 < M_CHUNK ? M : m0 + M_CHUNK;
-        #pragma omp parallel for schedule(static) num_threads(threads)
-        for (int pn = 0; pn < panels; pn++) {
-            const int nv = NB - pn * NV_MAX < NV_MAX ? NB - pn * NV_MAX : NV_MAX;
-            const uint16_t *wp = w + (int64_t)pn * NV_MAX * KP * 32;
-            const int n0 = pn * NV_MAX * 16;
-            for (int r = m0; r < m1; r += MR) {
-                const int mr = m1 - r < MR ? m1 - r : MR;
-                tile_any(x + r * x_stride, x_stride, wp, bias ? bias + n0 : 0, y + (int64_t)r * N + n0, N, KP, mr, nv);
+        #pragma omp parallel num_threads(threads)
+        {
+            if (fma) {   /* this chunk of x as float32: a bf16 is the top half of its float32 */
+                #pragma omp for schedule(static)
+                for (int r = m0; r < m1; r++)
+                    for (int k = 0; k < K; k++) {
+                        const uint32_t bits = (uint32_t)x[(int64_t)r * x_stride + k] << 16;
+                        memcpy(xf + (int64_t)(r - m0) * K + k, &bits, sizeof bits);
+                    }
+            }
+            #pragma omp for schedule(static)
+            for (int pn = 0; pn < panels; pn++) {
+                const int nv = NB - pn * NV_MAX < NV_MAX ? NB - pn * NV_MAX : NV_MAX;
+                const uint16_t *wp = w + (int64_t)pn * NV_MAX * KP * 32;
+                const int n0 = pn * NV_MAX * 16;
+                for (int r = m0; r < m1; r += MR) {
+                    const int mr = m1 - r < MR ? m1 - r : MR;
+                    if (fma)
+                        tile_fma_any(xf + (int64_t)(r - m0) * K, K, wp, bias ? bias + n0 : 0,
+                                     y + (int64_t)r * N + n0, N, KP, mr, nv);
+                    else
+                        tile_any(x + r * x_stride, x_stride, wp, bias ? bias + n0 : 0, y + (int64_t)r * N + n0, N,
+                                 KP, mr, nv);
+                }
             }
         }
     }
+    free(xf);
     return 0;
 }
 
 #else   /* built for a CPU without AVX512-BF16 (TESSERA_MARCH): the Python side sees 0 and uses oneDNN */
 int tile_linear_bf16_built(void) { return 0; }
 int tile_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const float *bias, uint16_t *y,
-                     int M, int N, int K, int threads) {
-    (void)x; (void)x_stride; (void)w; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)threads;
+                     int M, int N, int K, int threads, int fma) {
+    (void)x; (void)x_stride; (void)w; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)threads; (void)fma;
     return -1;
 }
 #endif
