@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera_kernels import paged_attention_cpu as pa
+from tessera_kernels import paged_attention_cpu as pa, tile_linear
 
 pytestmark = pytest.mark.kernels
 
@@ -127,3 +127,24 @@ def _largest_term(q, k_cache, v_cache, tables, lens, bs):
         p = torch.softmax((k @ q[b].unsqueeze(-1)).squeeze(-1) * D ** -0.5, dim=-1)   # [H, L]
         out[b] = (p.unsqueeze(-1) * v.abs()).amax(1)
     return out
+
+
+@pytest.mark.skipif(not pa.available() or not tile_linear.available(torch.bfloat16),
+                    reason="no AVX512-BF16 here: one build of the kernel")
+def test_both_builds_for_avx512_bf16_pass_the_same_tests(tmp_path):
+    """Where the CPU has AVX512-BF16 the kernel is built with its bf16 dot products, or without
+    them where the FMA tiles were faster (tile_linear.bf16_tiles: Intel without AMX). This CPU's
+    other build, in its own cache, passes every test of this file, and it is the build asked for:
+    the dot-product one rounds the probabilities to bf16, the other does not."""
+    import os
+    import subprocess
+    import sys
+    other = "dot" if tile_linear.bf16_tiles() == "fma" else "fma"
+    env = {**os.environ, "TESSERA_BF16_TILES": other, "TESSERA_CACHE": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not both_builds"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "passed" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    probe = subprocess.run([sys.executable, "-c", "from tessera_kernels import paged_attention_cpu as pa; "
+                            "print(pa.probabilities_in_bf16(64))"], env=env, capture_output=True, text=True, timeout=300)
+    assert probe.stdout.strip() == str(other == "dot")
+    assert pa.probabilities_in_bf16(64) == (other == "fma")

@@ -25,36 +25,39 @@ _CSRC = pathlib.Path(__file__).parent / "csrc"
 _FLAGS = ["-O3", f"-march={os.environ.get('TESSERA_MARCH', 'native')}", "-ffp-contract=fast", "-fopenmp",
           "-shared", "-fPIC"]
 _lock = threading.Lock()
-_libs: dict[str, ctypes.CDLL | None] = {}
+_libs: dict[tuple[str, tuple[str, ...]], ctypes.CDLL | None] = {}
 
 
-def load(name: str) -> ctypes.CDLL | None:
-    """csrc/<name>.c compiled and loaded once per process; None when it cannot be built."""
+def load(name: str, flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """csrc/<name>.c compiled (with `flags` after the usual ones, e.g. "-mno-avx512bf16") and
+    loaded once per process; None when it cannot be built."""
     if os.environ.get("TESSERA_DISABLE_CPU_KERNELS") == "1":
         return None
     with _lock:
-        if name not in _libs:
-            _libs[name] = _build(name)
-        return _libs[name]
+        if (name, flags) not in _libs:
+            _libs[name, flags] = _build(name, list(flags))
+        return _libs[name, flags]
 
 
-def _build(name: str) -> ctypes.CDLL | None:
+def _build(name: str, flags: list[str]) -> ctypes.CDLL | None:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         return None
     cxx = _cxx(cc)
     if cxx is not None:
-        lib = _compile(name, cxx, ["-x", "c++", "-std=gnu++17", "-I", str(_CSRC)], _CXX_WRAPPER.format(name=name))
+        lib = _compile(name, cxx, ["-x", "c++", "-std=gnu++17", "-I", str(_CSRC)], _CXX_WRAPPER.format(name=name),
+                       flags)
         if lib is not None:
             return lib
-    return _compile(name, cc, [], None)
+    return _compile(name, cc, [], None, flags)
 
 
-def _compile(name: str, compiler: str, lang: list[str], stdin: str | None) -> ctypes.CDLL | None:
-    """csrc/<name>.c built with `compiler` (C, or C++ from `stdin`) into the cache and loaded."""
+def _compile(name: str, compiler: str, lang: list[str], stdin: str | None, flags: list[str]) -> ctypes.CDLL | None:
+    """csrc/<name>.c built with `compiler` (C, or C++ from `stdin`) into the cache and loaded;
+    flags go after the usual ones, so they override -march's."""
     src = _CSRC / f"{name}.c"
     headers = b"".join(h.read_bytes() for h in sorted(_CSRC.glob("*.h")))
-    key = hashlib.sha256(src.read_bytes() + headers + " ".join([compiler, *lang, *_FLAGS, stdin or ""]).encode()
+    key = hashlib.sha256(src.read_bytes() + headers + " ".join([compiler, *lang, *_FLAGS, *flags, stdin or ""]).encode()
                          + _cpu_id()).hexdigest()[:16]
     cache = pathlib.Path(os.environ.get("TESSERA_CACHE", pathlib.Path.home() / ".cache" / "tessera"))
     so = cache / "kernels" / f"{name}-{key}.so"
@@ -63,7 +66,7 @@ def _compile(name: str, compiler: str, lang: list[str], stdin: str | None) -> ct
             so.parent.mkdir(parents=True, exist_ok=True)
             tmp = so.with_suffix(f".{os.getpid()}.tmp")
             source = "-" if stdin is not None else str(src)
-            subprocess.run([compiler, *lang, *_FLAGS, source, "-o", str(tmp), "-lm"], check=True,
+            subprocess.run([compiler, *lang, *_FLAGS, *flags, source, "-o", str(tmp), "-lm"], check=True,
                            input=stdin.encode() if stdin is not None else None, capture_output=True, timeout=120)
             os.replace(tmp, so)
         return ctypes.CDLL(str(so))

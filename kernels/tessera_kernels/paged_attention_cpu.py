@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from tessera_kernels import cbuild
+from tessera_kernels import cbuild, tile_linear
 
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -42,7 +42,7 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = cbuild.load("paged_decode_attention")
+    lib = cbuild.load("paged_decode_attention", tile_linear.without_dot_bf16())
     if lib is not None:
         lib.paged_decode_attention.restype = None
         lib.probabilities_in_bf16.restype = ctypes.c_int

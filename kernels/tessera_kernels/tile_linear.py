@@ -82,6 +82,12 @@ def bf16_tiles() -> str:
     return min(TILES, key=best.get)
 
 
+def without_dot_bf16() -> tuple[str, ...]:
+    """Build flags for the other kernels that use vdpbf16ps where the CPU has it (attention):
+    -mno-avx512bf16 where bf16_tiles() found FMAs faster here, so their float32 paths run."""
+    return ("-mno-avx512bf16",) if available(torch.bfloat16) and bf16_tiles() == "fma" else ()
+
+
 def available(dtype: torch.dtype) -> bool:
     return _library(dtype) is not None
 
