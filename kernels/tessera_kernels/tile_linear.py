@@ -5,9 +5,10 @@
   step at batch 64 and every prompt chunk are bound by the bf16 dot products there, and
   oneDNN's matmul used 320 of the 450 GFLOP/s two Zen 4 cores give. SmolLM2's 121 linears,
   Zen 4: 64 rows 49-55 -> 42-44 ms, 8 rows 14-16 -> 8-9.4 ms, 2048 rows 1406 -> 1352 ms.
-  Intel cores without AMX run vdpbf16ps at a fraction of their FMA rate (Sapphire Rapids with
-  AMX hidden, one core: 78 against 129 GFLOP/s), so there the same panels go through float32
-  FMAs instead (bf16_tiles() measures which of the two is faster, once per process).
+  Intel cores without AMX run vdpbf16ps at half their FMA rate (a Xeon model 207 with AMX
+  hidden: one core peaks at 77-84 GFLOP/s of vdpbf16ps, 163-170 of FMAs), so there the same
+  panels go through float32 FMAs instead (bf16_tiles() measures which of the two is faster,
+  once per process): 64 rows 116-120 (oneDNN) -> 67-70 ms, 8 rows 26 -> 14 ms.
 - float32, any row count, on CPUs with AVX2 and FMA (float32 is --dtype auto where the CPU has
   no native bf16): 1 row 22-23 -> 11-16.5 ms, 64 rows 92-97 -> 83-85 ms (Zen 4; see the C source).
 
