@@ -65,13 +65,13 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
 }
 
 /* The same tile by float32 FMAs, for cores that run vdpbf16ps at a fraction of their FMA rate
- * (Intel without AMX: Sapphire/Emerald Rapids with AMX hidden by the hypervisor, where one core
- * peaks at 77-84 GFLOP/s of vdpbf16ps against 163-170 of FMAs; Cooper Lake). One load of a pair block gives both
- * inputs' weights as float32, the even one shifted up 16 bits and the odd one with its low 16
- * bits cleared, so the weights still cross memory as bf16; x comes as float32 (xf, converted once
- * per call) and is broadcast from memory by the FMA itself. A bf16 product is exact in float32,
- * so each FMA rounds once, as vdpbf16ps does per input on Intel (odd input first, then even:
- * the order of its pseudocode). */
+ * (an Intel Xeon model 207 with AMX hidden by the hypervisor: one core peaks at 77-84 GFLOP/s
+ * of vdpbf16ps against 163-170 of FMAs). One load of a pair block gives both inputs' weights as
+ * float32, the even one shifted up 16 bits and the odd one with its low 16 bits cleared, so the
+ * weights still cross memory as bf16; x comes as float32 (xf, converted once per call) and is
+ * broadcast from memory by the FMA itself. A bf16 product is exact in float32, so each FMA
+ * rounds once, as vdpbf16ps does per input on Intel (odd input first, then even: the order of
+ * its pseudocode; the two tiles' results were equal bit for bit there). */
 static inline __attribute__((always_inline)) void tile_fma(const float *xf, int64_t xs, const uint16_t *wp,
                                                            const float *bias, uint16_t *y, int64_t ys,
                                                            int KP, const int mr, const int nv) {

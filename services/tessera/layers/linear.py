@@ -7,7 +7,8 @@
   (tessera_kernels.amx_linear), which streams the weights faster than oneDNN at these sizes;
   its results equal oneDNN's bit for bit there.
 - A bf16 product of 5 or more rows where the CPU has AVX512-BF16 and no AMX (AMD Zen 4 and
-  Zen 5; Intel without AMX, where the same tiles run as float32 FMAs), and a float32 product of any size where it has AVX2 and FMA, go to the register-tile
+  Zen 5; Intel without AMX, where the same tiles run as float32 FMAs), and a float32 product
+  of any size where it has AVX2 and FMA, go to the register-tile
   kernels (tessera_kernels.tile_linear): oneDNN leaves part of the vector units idle there
   (Zen 4, SmolLM2's 121 linears: bf16 at 64 rows 49-55 -> 42-44 ms, float32 at one row
   22-23 -> 11-16.5 ms). Their results differ from oneDNN's in the last bit in about one
