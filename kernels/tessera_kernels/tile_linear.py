@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import threading
 import time
 
 import torch
@@ -31,12 +32,16 @@ NV_MAX = 3           # column blocks per panel, as in the C sources
 BF16_MIN_ROWS = 5    # below: the bf16 GEMV kernel (gemv_cpu), which streams weights at memory speed
 
 
-@functools.cache
 def _library(dtype: torch.dtype) -> tuple[ctypes.CDLL, int] | None:
-    """The kernel for this dtype and its lanes per vector (the column block's width)."""
+    """The kernel for this dtype and its lanes per vector (the column block's width), unless
+    TESSERA_DISABLE_TILE_LINEAR=1 keeps the callers on oneDNN."""
+    return None if os.environ.get("TESSERA_DISABLE_TILE_LINEAR") == "1" else _built(dtype)
+
+
+@functools.cache
+def _built(dtype: torch.dtype) -> tuple[ctypes.CDLL, int] | None:
+    """The kernel for this dtype where this CPU has its vector units and it builds."""
     flags = cbuild.cpu_flags()
-    if os.environ.get("TESSERA_DISABLE_TILE_LINEAR") == "1":
-        return None
     if dtype == torch.bfloat16:
         if "avx512_bf16" not in flags or "amx_bf16" in flags:
             return None
@@ -63,15 +68,27 @@ def _library(dtype: torch.dtype) -> tuple[ctypes.CDLL, int] | None:
 TILES = ("dot", "fma")   # bf16: vdpbf16ps tiles, or float32 FMAs over the same packed weight
 
 
-@functools.cache
+_chosen: list[str] = []        # bf16_tiles()'s answer, made once per process
+_choosing = threading.Lock()    # two threads never time the tiles at once (nor get two answers)
+
+
 def bf16_tiles() -> str:
     """The bf16 tiles this CPU runs faster: each timed on the same in-cache product (8 rows, K
     1024, 192 columns: compute-bound, ~3 MFLOP), one thread, best of 15 interleaved calls; where
-    one is 2x the other (Zen 4: dot; Sapphire Rapids without AMX: fma at 1.6x) drift cannot flip
+    one is 2x the other (Zen 4: dot; an Intel Xeon without AMX: fma at 1.6x) drift cannot flip
     the choice. TESSERA_BF16_TILES=dot|fma chooses instead."""
+    with _choosing:
+        if not _chosen:
+            _chosen.append(_faster_tiles())
+        return _chosen[0]
+
+
+def _faster_tiles() -> str:
     chosen = os.environ.get("TESSERA_BF16_TILES")
     if chosen in TILES:
         return chosen
+    if _built(torch.bfloat16) is None:
+        return "dot"   # no bf16 tiles here to time (nor to run)
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(8, 1024, generator=g).bfloat16(), torch.randn(192, 1024, generator=g).bfloat16()
     packed, best = pack(w), dict.fromkeys(TILES, float("inf"))
@@ -86,7 +103,7 @@ def bf16_tiles() -> str:
 def without_dot_bf16() -> tuple[str, ...]:
     """Build flags for the other kernels that use vdpbf16ps where the CPU has it (attention):
     -mno-avx512bf16 where bf16_tiles() found FMAs faster here, so their float32 paths run."""
-    return ("-mno-avx512bf16",) if available(torch.bfloat16) and bf16_tiles() == "fma" else ()
+    return ("-mno-avx512bf16",) if _built(torch.bfloat16) is not None and bf16_tiles() == "fma" else ()
 
 
 def available(dtype: torch.dtype) -> bool:
@@ -115,7 +132,7 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     """W [N, K] in the kernel's panel order (see the C sources): full panels of NV_MAX blocks of
     L columns as [K / pair, NV_MAX, L, pair], then the last, narrower panel the same way."""
     N, K = w.shape
-    lanes, pair = _library(w.dtype)[1], _pair(w.dtype)
+    lanes, pair = _built(w.dtype)[1], _pair(w.dtype)
     full = N // (lanes * NV_MAX) * lanes * NV_MAX
     parts = []
     for start, stop, nv in ((0, full, NV_MAX), (full, N, (N - full) // lanes)):
@@ -139,9 +156,12 @@ def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, N:
         raise ValueError(f"tile_linear: a packed weight of {packed.numel()} {packed.dtype} for x {tuple(x.shape)} and N={N}")
     y = torch.empty(M, N, dtype=x.dtype)
     b = None if bias is None else bias.float().contiguous()   # both kernels add a float32 bias
-    fn = _library(x.dtype)[0]
+    fn = _built(x.dtype)[0]
     fma = () if x.dtype != torch.bfloat16 else (TILES.index(tiles or bf16_tiles()),)
-    if fn(x.data_ptr(), x.stride(0), packed.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
-          M, N, K, threads, *fma) != 0:
+    status = fn(x.data_ptr(), x.stride(0), packed.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
+                M, N, K, threads, *fma)
+    if status == -2:
+        raise MemoryError(f"tile_linear: no memory for x in float32 ({M} x {K})")
+    if status != 0:
         raise ValueError(f"tile_linear: shapes out of range (M={M}, N={N}, K={K})")
     return y

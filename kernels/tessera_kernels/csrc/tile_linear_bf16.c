@@ -121,13 +121,13 @@ int tile_linear_bf16_built(void) { return 1; }
 
 /* x: [M, K] bf16, rows x_stride elements apart; w: packed as above; bias: [N] float32 or NULL;
  * y: [M, N] bf16 contiguous. N a multiple of 16, K even, x_stride >= K. fma: 0 for the
- * vdpbf16ps tiles, 1 for the FMA ones. Returns 0, or -1 for shapes out of range or no memory. */
+ * vdpbf16ps tiles, 1 for the FMA ones. Returns 0, -1 for shapes out of range, -2 for no memory. */
 int tile_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const float *bias, uint16_t *y,
                      int M, int N, int K, int threads, int fma) {
     if (M < 1 || N % 16 || K % 2 || x_stride < K) return -1;
     const int KP = K / 2, NB = N / 16, panels = (NB + NV_MAX - 1) / NV_MAX;
     float *xf = NULL;
-    if (fma && !(xf = malloc(sizeof(float) * (size_t)(M < M_CHUNK ? M : M_CHUNK) * K))) return -1;
+    if (fma && !(xf = (float *)malloc(sizeof(float) * (size_t)(M < M_CHUNK ? M : M_CHUNK) * K))) return -2;
     for (int m0 = 0; m0 < M; m0 += M_CHUNK) {
         const int m1 = M - m0 < M_CHUNK ? M : m0 + M_CHUNK;
         #pragma omp parallel num_threads(threads)
