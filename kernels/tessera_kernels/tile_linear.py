@@ -77,6 +77,8 @@ def bf16_tiles() -> str:
     1024, 192 columns: compute-bound, ~3 MFLOP), one thread, best of 15 interleaved calls; where
     one is 2x the other (Zen 4: dot; an Intel Xeon without AMX: fma at 1.6x) drift cannot flip
     the choice. TESSERA_BF16_TILES=dot|fma chooses instead."""
+    if _chosen:                   # every bf16 linear asks: no lock once the answer is made
+        return _chosen[0]
     with _choosing:
         if not _chosen:
             _chosen.append(_faster_tiles())
