@@ -113,6 +113,22 @@ def test_silu_mul_float32_equals_torch(T, I):
     assert out.dtype == torch.float32 and _within_float32_rounding(out, exact, F.silu(gate) * up)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,N", [(1, 576), (3, 16), (64, 2048)])
+def test_residual_add_is_torchs_add_bit_for_bit(dtype, T, N):
+    """bf16: the float32 sum rounded once, to nearest even, as torch's add; the last case is
+    large enough for both threads."""
+    if elementwise_cpu._library(dtype) is None:
+        pytest.skip("no C compiler for the CPU kernel")
+    g = torch.Generator().manual_seed(T * N)
+    a, b = (torch.randn(T, N, generator=g) * 100).to(dtype), torch.randn(T, N, generator=g).to(dtype)
+    b[0, :3] = torch.tensor([float("inf"), float("nan"), -0.0])
+    out, ref = elementwise_cpu.add(a, b), a + b
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert out.dtype == dtype and torch.equal(out.view(bits)[:, 2:], ref.view(bits)[:, 2:])
+    assert out[0, 0] == float("inf") and out[0, 1].isnan() and torch.equal(out[1:].view(bits), ref[1:].view(bits))
+
+
 @_f32_kernels
 @pytest.mark.parametrize("T,heads,D", [(1, 12, 64), (9, 3, 128), (4, 1, 32)])
 def test_rope_float32_in_place_equals_torch(T, heads, D):

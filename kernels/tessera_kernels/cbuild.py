@@ -19,6 +19,8 @@ import shutil
 import subprocess
 import threading
 
+from tessera_kernels import replay
+
 _CSRC = pathlib.Path(__file__).parent / "csrc"
 # TESSERA_MARCH builds for another CPU than this one (e.g. "haswell": AVX2 only), so the AVX2
 # paths are tested on an AVX-512 machine too; the cache key includes it.
@@ -69,7 +71,7 @@ def _compile(name: str, compiler: str, lang: list[str], stdin: str | None, flags
             subprocess.run([compiler, *lang, *_FLAGS, *flags, source, "-o", str(tmp), "-lm"], check=True,
                            input=stdin.encode() if stdin is not None else None, capture_output=True, timeout=120)
             os.replace(tmp, so)
-        return ctypes.CDLL(str(so))
+        return replay.RecordableCDLL(str(so))
     except (OSError, subprocess.SubprocessError):
         return None
 

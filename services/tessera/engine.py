@@ -98,6 +98,8 @@ class Engine:
         self._reset_prefix_cache = False
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = make_runner(model, num_blocks, cache.block_size)
+        if not config.enforce_eager and type(self.runner) is ModelRunner:
+            self.runner.replay_decode_steps(-(-self.max_model_len // cache.block_size))
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
             {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         self._detok: dict[str, IncrementalDetokenizer] = {}

@@ -5,6 +5,7 @@ import torch
 
 from tessera import huge_pages
 from tessera.batch import build_forward_batch
+from tessera.decode_graph import DecodeGraphs
 from tessera.models.driver import forward
 from tessera.models.llama import CausalLM
 from tessera.models.model_config import ModelConfig
@@ -30,6 +31,7 @@ def allocate_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch
 
 class ModelRunner:
     compute_s = 0.0   # a pipeline's first stage (PipelineRunner) counts the seconds in its layers here
+    graphs: DecodeGraphs | None = None
 
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, layers: range | None = None) -> None:
         """layers: the decoder layers this process holds KV for (default: all)."""
@@ -41,8 +43,16 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """float32 logits [S, vocab], one row per plan entry with sample=True, in plan order."""
         batch = build_forward_batch(plan, self.block_size)
-        hidden = forward(self.model, batch, self.kv_caches)
+        if self.graphs is not None:
+            hidden = self.graphs.forward(batch)
+        else:
+            hidden = forward(self.model, batch, self.kv_caches)
         return self.model.compute_logits(hidden)
+
+    def replay_decode_steps(self, max_blocks: int) -> None:
+        """Replay the kernel calls of decode steps of up to decode_graph.MAX_BATCH requests of
+        at most max_blocks KV blocks each (decode_graph.py)."""
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, max_blocks)
 
     @torch.inference_mode()
     def keep_path(self, block_table: tuple[int, ...], start_pos: int, nodes: list[int]) -> None:

@@ -77,3 +77,11 @@ void rope_bf16(uint16_t *x, int64_t x_stride, const uint16_t *cos, const uint16_
         }
     }
 }
+
+/* y = bf16(a + b) over n values (n a multiple of 16), as torch adds two bf16 tensors: the
+ * residual connections, a C call so that a replayed decode step (replay.py) makes them too. */
+void add_bf16(const uint16_t *a, const uint16_t *b, uint16_t *y, int64_t n, int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (n >= 65536)
+    for (int64_t i = 0; i < n; i += 16)
+        store_bf16(y + i, round_bf16(widen(a + i) + widen(b + i)));
+}

@@ -62,3 +62,11 @@ void rope_f32(float *x, int64_t x_stride, const float *cos, const float *sin,
         }
     }
 }
+
+/* y = a + b over n values (n a multiple of 16): the residual connections, a C call so that a
+ * replayed decode step (replay.py) makes them too. */
+void add_f32(const float *a, const float *b, float *y, int64_t n, int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (n >= 65536)
+    for (int64_t i = 0; i < n; i += 16)
+        store16(y + i, load16(a + i) + load16(b + i));
+}

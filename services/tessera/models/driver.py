@@ -19,6 +19,7 @@ from typing import Generator, Sequence
 import torch
 
 from tessera.batch import ForwardBatch
+from tessera.layers.residual import residual_add
 from tessera.models.llama import CausalLM, FFNInput
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]   # kv_caches[l]: layer l's (k, v)
@@ -27,14 +28,17 @@ LayerSteps = Generator[tuple[int, FFNInput], torch.Tensor, torch.Tensor]
 
 def layer_steps(model: CausalLM, x: torch.Tensor, batch: ForwardBatch, kv_caches: KVCaches,
                 layers: range, positions: torch.Tensor | None = None,
-                masks: Sequence[torch.Tensor | None] | None = None) -> LayerSteps:
+                masks: Sequence[torch.Tensor | None] | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> LayerSteps:
     """Run `layers` on hidden states x [T, H]: yields (layer, ffn_in) at each FFN, expects that
     FFN's compute output to be sent back, and returns the hidden states after the last layer.
-    positions default to batch.positions; masks: see layers/attention.paged_attention."""
-    rope = model.rope(batch.positions if positions is None else positions, x.dtype)
+    positions default to batch.positions; masks: see layers/attention.paged_attention; rope:
+    the positions' (cos, sin) when the caller has them already (decode_graph.py)."""
+    if rope is None:
+        rope = model.rope(batch.positions if positions is None else positions, x.dtype)
     for l in layers:
         layer = model.layers[l]
-        h = x + layer.attn(x, batch, kv_caches[l], rope, masks)
+        h = residual_add(x, layer.attn(x, batch, kv_caches[l], rope, masks))
         ffn_in = layer.ffn.prepare(h)
         y = yield l, ffn_in
         x = layer.ffn.finish(h, ffn_in, y)
@@ -43,10 +47,11 @@ def layer_steps(model: CausalLM, x: torch.Tensor, batch: ForwardBatch, kv_caches
 
 def run_layers(model: CausalLM, x: torch.Tensor, batch: ForwardBatch, kv_caches: KVCaches,
                layers: range | None = None, positions: torch.Tensor | None = None,
-               masks: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
+               masks: Sequence[torch.Tensor | None] | None = None,
+               rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Layers `layers` (default: all) with every FFN computed in this process."""
     steps = layer_steps(model, x, batch, kv_caches, range(len(model.layers)) if layers is None else layers,
-                        positions, masks)
+                        positions, masks, rope)
     y = None
     while True:
         try:

@@ -23,6 +23,7 @@ from tessera.layers.attention import paged_attention
 from tessera.layers.linear import Linear
 from tessera.layers.mlp import SwiGLU
 from tessera.layers.norm import RMSNorm
+from tessera.layers.residual import residual_add
 from tessera.layers.rope import RotaryEmbedding, apply_rope
 from tessera.models.model_config import ModelConfig
 
@@ -83,7 +84,7 @@ class LlamaFFN(nn.Module):
         return self.mlp(ffn_in.x)
 
     def finish(self, h: torch.Tensor, ffn_in: FFNInput, y: torch.Tensor) -> torch.Tensor:
-        return h + y
+        return residual_add(h, y)
 
     def shard(self, experts: Sequence[int] | None = None, columns: tuple[int, int] | None = None) -> None:
         """Keep intermediate columns [i0, i1) of the MLP (after loading: the checkpoint holds
