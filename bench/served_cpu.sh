@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # CPU seconds per process and thread of `tessera serve` (bf16) during one 64 x 128/128
-# `tessera bench serve` run, and the run's throughput: where the cores go besides the engine.
+# `tessera bench serve` run (CONCURRENCY=1: 8 prompts one at a time), and the run's
+# throughput: where the cores go besides the engine.
 #   bash bench/served_cpu.sh            (needs `make setup-dev`; port 8100 free)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +18,8 @@ snap() {   # pid comm-tid ticks, for every thread of the server's processes
     echo "$p $(tr ' ' _ < "$t"/comm)-${t##*/} $(awk '{print $14 + $15}' "$t"/stat)"; done; done
 }
 snap > "$OUT/before"
-$T bench serve --base-url http://127.0.0.1:8100 --num-prompts 64 --input-len 128 --output-len 128 --json > "$OUT/run.json" 2> /dev/null
+if [ "${CONCURRENCY:-}" = 1 ]; then prompts=(--num-prompts 8 --concurrency 1 --seed 1); else prompts=(--num-prompts 64); fi
+$T bench serve --base-url http://127.0.0.1:8100 "${prompts[@]}" --input-len 128 --output-len 128 --json > "$OUT/run.json" 2> /dev/null
 snap > "$OUT/after"
 python3 - "$OUT" <<'PY'
 import json, sys

@@ -60,18 +60,21 @@ def _generate(engine: Engine, eager: bool, prompts, max_tokens) -> list[list[int
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_replayed_steps_give_the_eager_engines_tokens(dtype):
     """SmolLM2's real weights: one request, then five that finish at different steps (batch
-    sizes 5, 4, ..., 1 each recorded, checked and replayed), and a batch over MAX_BATCH (eager)."""
+    sizes 5, 4, ..., 1 each recorded, checked and replayed), and a batch over max_batch (eager)."""
     engine = Engine(EngineConfig(dtype=dtype, num_threads=2, cache=CacheConfig(enable_prefix_caching=False)))
     graphs = engine.runner.graphs
-    assert graphs is not None
+    assert graphs is not None and graphs.max_batch == decode_graph.MAX_BATCH
+    graphs.max_batch = 5
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (37, 5, 130, 64, 16)]
     cases = [([prompts[0]], [24]), (prompts, [30, 12, 20, 16, 24]),
-             ([prompts[1]] * (decode_graph.MAX_BATCH + 1), [4] * (decode_graph.MAX_BATCH + 1))]
+             ([prompts[1]] * 6, [4] * 6)]
     for case in cases:
         assert _generate(engine, False, *case) == _generate(engine, True, *case)
     assert set(graphs.graphs) == {1, 2, 3, 4, 5} and all(gr.verified for gr in graphs.graphs.values())
-    assert graphs.replayed_steps > 30 and decode_graph.MAX_BATCH + 1 not in graphs.attempts
+    assert graphs.replayed_steps > 30 and 6 not in graphs.attempts
+    # one pool for the five graphs, as large as the largest needs (1 then 5 requests: grown twice)
+    assert graphs.pool.buffer.numel() == graphs.pool.needed > 0
 
 
 def test_a_step_with_torch_ops_is_not_recorded_and_stays_exact(tiny_models):

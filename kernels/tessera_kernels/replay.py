@@ -7,7 +7,9 @@ Python between them: on AMD EPYC Zen 4 (2 cores, SmolLM2-135M, bf16) the Python 
 when the next step has the same shapes and its inputs sit in the same buffers, the same calls
 with the same arguments compute it. `record()` notes each call made through a library that
 cbuild loaded (in this thread) and keeps every tensor allocated meanwhile alive, so that the
-pointers stay the recording's own; `Recording.replay()` makes the calls again.
+pointers stay the recording's own; `Recording.replay()` makes the calls again. Recordings of
+which only one runs at a time may take their buffers from one shared Pool (as CUDA graphs share
+a memory pool): the memory is then the largest recording's, not their sum.
 
 What is recorded must be all there is: a torch op that computes (anything but a view or an
 allocation) while recording would not be made again, so the recording refuses it and says which
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import threading
 from typing import Iterator
 
@@ -44,15 +47,50 @@ class Recording:
                 raise RuntimeError(f"{fn.__name__} returned {status} on replay")
 
 
-class _Guard(TorchDispatchMode):
-    """Keeps the tensors allocated while recording, and notes the first op that computes."""
+class Pool:
+    """One block of memory that recordings allocate their contiguous buffers from, each from
+    its start: for recordings of which only one is made or replayed at a time. A recording that
+    needed more than the pool holds took the rest from torch (`overflowed`); `grow` then makes
+    room for the next, and the recordings made from the old block must be made again."""
 
-    def __init__(self, recording: Recording) -> None:
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self.used = self.needed = 0
+
+    def take(self, shape, dtype: torch.dtype) -> torch.Tensor | None:
+        nbytes = math.prod(shape) * dtype.itemsize
+        start = -(-self.used // 64) * 64                   # each buffer on its own cache lines
+        self.used = start + nbytes
+        self.needed = max(self.needed, self.used)
+        if self.used > self.buffer.numel():
+            return None
+        return self.buffer[start:start + nbytes].view(dtype).view(shape)
+
+    @property
+    def overflowed(self) -> bool:
+        return self.needed > self.buffer.numel()
+
+    def grow(self) -> None:
+        self.buffer = torch.empty(max(self.needed, 2 * self.buffer.numel()), dtype=torch.uint8)
+
+
+class _Guard(TorchDispatchMode):
+    """Keeps the tensors allocated while recording (from the pool where one is given), and
+    notes the first op that computes."""
+
+    def __init__(self, recording: Recording, pool: Pool | None) -> None:
         super().__init__()
-        self.recording = recording
+        self.recording, self.pool = recording, pool
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if (func is torch.ops.aten.empty.memory_format and self.pool is not None
+                and kwargs.get("memory_format") in (None, torch.contiguous_format)
+                and torch.device(kwargs.get("device") or "cpu").type == "cpu"):
+            out = self.pool.take(args[0], kwargs.get("dtype") or torch.get_default_dtype())
+            if out is not None:
+                return out
+        out = func(*args, **kwargs)
         if func in _ALLOCATIONS:
             self.recording.tensors.append(out)
         elif not func.is_view and self.recording.refused is None:
@@ -61,14 +99,17 @@ class _Guard(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def record() -> Iterator[Recording]:
-    """Record the kernel calls made by this thread inside the block (they run as usual too)."""
+def record(pool: Pool | None = None) -> Iterator[Recording]:
+    """Record the kernel calls made by this thread inside the block (they run as usual too);
+    contiguous CPU buffers allocated meanwhile come from `pool`, from its start, where given."""
     if getattr(_local, "recording", None) is not None:
         raise RuntimeError("already recording")
     rec = Recording()
     _local.recording = rec
+    if pool is not None:
+        pool.used = 0
     try:
-        with _Guard(rec):
+        with _Guard(rec, pool):
             yield rec
     finally:
         _local.recording = None

@@ -31,8 +31,7 @@ from tessera_kernels import replay
 
 log = logging.getLogger(__name__)
 
-MAX_BATCH = 16       # graphs for 1..16 requests: where the Python is a large share of a step
-MEMORY_BUDGET = 256 << 20   # bytes of recorded buffers, all graphs together (SmolLM2: ~0.6 MB a request)
+MAX_BATCH = 64       # graphs for 1..64 requests (a larger batch runs eagerly)
 _ATTEMPTS = 2        # recordings tried per batch size (the first may meet a weight packed on first use)
 
 
@@ -72,11 +71,11 @@ class DecodeGraph:
         return dataclasses.replace(batch, slot_mapping=self.slots, causal_token_idx=self.rows,
                                    causal_block_tables=self.tables, causal_context_lens=self.lens)
 
-    def capture(self, model: CausalLM, batch: ForwardBatch, kv_caches: KVCaches) -> torch.Tensor:
-        """Run the step's layers eagerly while recording them: the hidden states after the last
-        layer (valid whether or not the recording can be kept)."""
+    def capture(self, model: CausalLM, batch: ForwardBatch, kv_caches: KVCaches, pool: replay.Pool) -> torch.Tensor:
+        """Run the step's layers eagerly while recording them, their buffers from `pool`: the
+        hidden states after the last layer (valid whether or not the recording can be kept)."""
         static = self._load(model, batch)
-        with replay.record() as rec:
+        with replay.record(pool) as rec:
             out = run_layers(model, self.x, static, kv_caches, rope=(self.cos, self.sin))
         if rec.refused is None and not rec.calls:
             rec.refused = "no C kernel calls"
@@ -92,20 +91,21 @@ class DecodeGraph:
 
 
 class DecodeGraphs:
-    """The graphs of one model and KV cache, one per batch size up to MAX_BATCH, made on first
-    need; `forward` is driver.forward's contract."""
+    """The graphs of one model and KV cache, one per batch size up to max_batch, made on first
+    need; `forward` is driver.forward's contract. Their intermediate buffers share one pool (one
+    graph runs at a time): its size is the largest graph's (SmolLM2: ~0.6 MB a request)."""
 
-    def __init__(self, model: CausalLM, kv_caches: KVCaches, max_blocks: int) -> None:
-        self.model, self.kv_caches, self.max_blocks = model, kv_caches, max_blocks
+    def __init__(self, model: CausalLM, kv_caches: KVCaches, max_blocks: int, max_batch: int = MAX_BATCH) -> None:
+        self.model, self.kv_caches, self.max_blocks, self.max_batch = model, kv_caches, max_blocks, max_batch
         self.graphs: dict[int, DecodeGraph] = {}
         self.attempts: dict[int, int] = {}
         self.replayed_steps = 0
-        self.held_bytes = 0
-        self._held: list[torch.Tensor] = []   # what the recorded calls point into besides the graphs' buffers
+        self.pool = replay.Pool()
+        self._held: dict[int, torch.Tensor] = {}   # what the recorded calls point into besides the graphs' buffers
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         B = batch.num_tokens
-        if (not pure_decode(batch) or B > MAX_BATCH or batch.causal_block_tables.shape[1] > self.max_blocks
+        if (not pure_decode(batch) or B > self.max_batch or batch.causal_block_tables.shape[1] > self.max_blocks
                 or (B not in self.graphs and self.attempts.get(B, 0) >= _ATTEMPTS)):
             return forward(self.model, batch, self.kv_caches)
         graph = self.graphs.get(B)
@@ -127,18 +127,18 @@ class DecodeGraphs:
     def _capture(self, B: int, batch: ForwardBatch) -> torch.Tensor:
         self.attempts[B] = self.attempts.get(B, 0) + 1
         graph = DecodeGraph(self.model, B, self.max_blocks)
-        out = graph.capture(self.model, batch, self.kv_caches)
-        rec = graph.recording
-        size = sum(t.untyped_storage().nbytes() for t in rec.tensors)
-        if rec.refused is None and self.held_bytes + size > MEMORY_BUDGET:
-            rec.refused = f"over the graphs' memory budget of {MEMORY_BUDGET >> 20} MiB"
-            self.attempts[B] = _ATTEMPTS
-        if rec.refused is None:
+        out = graph.capture(self.model, batch, self.kv_caches, self.pool)
+        refused = graph.recording.refused
+        if refused is None and self.pool.overflowed:
+            # a larger pool for the next recordings; those made from the old one are made again
+            self.pool.grow()
+            self.graphs.clear()
+            self.attempts[B] -= 1
+        elif refused is None:
             self.graphs[B] = graph
-            self.held_bytes += size
-            self._held += _weights(self.model)
+            self._held.update((id(t), t) for t in _weights(self.model))
         else:
-            log.info("decode step of %d requests not recorded (%s): it runs eagerly", B, rec.refused)
+            log.info("decode step of %d requests not recorded (%s): it runs eagerly", B, refused)
         return out
 
 

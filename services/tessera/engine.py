@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from tessera import decode_graph
 from tessera.config import ConfigError, EngineConfig, SamplingParams
 from tessera.detokenizer import IncrementalDetokenizer
 from tessera.kv_cache import KVCacheManager
@@ -99,7 +100,8 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = make_runner(model, num_blocks, cache.block_size)
         if not config.enforce_eager and type(self.runner) is ModelRunner:
-            self.runner.replay_decode_steps(-(-self.max_model_len // cache.block_size))
+            self.runner.replay_decode_steps(-(-self.max_model_len // cache.block_size),
+                                            min(config.scheduler.max_num_seqs, decode_graph.MAX_BATCH))
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
             {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         self._detok: dict[str, IncrementalDetokenizer] = {}

@@ -49,10 +49,10 @@ class ModelRunner:
             hidden = forward(self.model, batch, self.kv_caches)
         return self.model.compute_logits(hidden)
 
-    def replay_decode_steps(self, max_blocks: int) -> None:
-        """Replay the kernel calls of decode steps of up to decode_graph.MAX_BATCH requests of
-        at most max_blocks KV blocks each (decode_graph.py)."""
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, max_blocks)
+    def replay_decode_steps(self, max_blocks: int, max_batch: int) -> None:
+        """Replay the kernel calls of decode steps of up to max_batch requests of at most
+        max_blocks KV blocks each (decode_graph.py)."""
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, max_blocks, max_batch)
 
     @torch.inference_mode()
     def keep_path(self, block_table: tuple[int, ...], start_pos: int, nodes: list[int]) -> None:
