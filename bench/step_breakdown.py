@@ -1,5 +1,7 @@
 """Where a decode step's time goes, at a batch size: the engine's pieces wrapped in wall-clock
-timers (on the CPU nothing runs asynchronously, so a timer around a call is its cost).
+timers (on the CPU nothing runs asynchronously, so a timer around a call is its cost). The
+timers need the eager step (--enforce-eager); the replayed step (decode_graph.py) is timed
+after it, on another engine, as a whole.
     .venv/bin/python bench/step_breakdown.py 64 [float32]   # bfloat16 unless given; 2 threads, context ~190
 """
 import sys, time, collections, torch
@@ -20,17 +22,25 @@ PA.paged_decode_attention = timed("  of which the decode kernel itself", PA.page
 MR.build_forward_batch = timed("batch tensors (build_forward_batch)", MR.build_forward_batch)
 B = int(sys.argv[1])
 DTYPE = sys.argv[2] if len(sys.argv) > 2 else "bfloat16"
-e = Engine(EngineConfig(dtype=DTYPE, num_threads=2))
-g = torch.Generator().manual_seed(B)
-for p in torch.randint(100, 40000, (B, 128), generator=g).tolist():
-    e.add_request(p, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
-while e.scheduler.waiting or any(r.num_computed_tokens < 128 for r in e.scheduler.running): e.step()
-for _ in range(64): e.step()      # contexts ~ 128 + 64: the middle of a 128/128 run
-acc.clear(); n = 20; t = time.perf_counter()
-for _ in range(n): e.step()
-total = (time.perf_counter() - t) / n
-print(f"batch {B}, {DTYPE}: decode step {total*1e3:.1f} ms")
+
+
+def step_ms(enforce_eager: bool) -> float:
+    e = Engine(EngineConfig(dtype=DTYPE, num_threads=2, enforce_eager=enforce_eager))
+    g = torch.Generator().manual_seed(B)
+    for p in torch.randint(100, 40000, (B, 128), generator=g).tolist():
+        e.add_request(p, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    while e.scheduler.waiting or any(r.num_computed_tokens < 128 for r in e.scheduler.running): e.step()
+    for _ in range(64): e.step()      # contexts ~ 128 + 64: the middle of a 128/128 run
+    acc.clear(); t = time.perf_counter()
+    for _ in range(n): e.step()
+    return (time.perf_counter() - t) / n
+
+
+n = 20
+total = step_ms(True)
+print(f"batch {B}, {DTYPE}: decode step {total*1e3:.1f} ms eager")
 for k, v in acc.most_common():
     print(f"  {k}: {v/n*1e3:.1f} ms ({v/n/total:.0%})")
 rest = total - sum(v for k, v in acc.items() if not k.startswith(" ")) / n
 print(f"  rest (norms, RoPE, residuals, SwiGLU activation, scheduler, detokenizer, Python): {rest*1e3:.1f} ms ({rest/total:.0%})")
+print(f"replayed (decode_graph.py): decode step {step_ms(False)*1e3:.1f} ms")
