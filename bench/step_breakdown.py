@@ -22,6 +22,7 @@ PA.paged_decode_attention = timed("  of which the decode kernel itself", PA.page
 MR.build_forward_batch = timed("batch tensors (build_forward_batch)", MR.build_forward_batch)
 B = int(sys.argv[1])
 DTYPE = sys.argv[2] if len(sys.argv) > 2 else "bfloat16"
+n = 20                                # steps timed
 
 
 def step_ms(enforce_eager: bool) -> float:
@@ -36,7 +37,6 @@ def step_ms(enforce_eager: bool) -> float:
     return (time.perf_counter() - t) / n
 
 
-n = 20
 total = step_ms(True)
 print(f"batch {B}, {DTYPE}: decode step {total*1e3:.1f} ms eager")
 for k, v in acc.most_common():

@@ -1,7 +1,8 @@
 """The elementwise steps of a decoder layer (RMSNorm, SwiGLU's activation, RoPE, the residual
-additions) as one C pass each, in bf16 (csrc/elementwise_bf16.c: torch's roundings) and float32 (csrc/elementwise_f32.c),
-in place of the four to ten torch ops the same math takes; at batch 64 on 2 cores the bf16 torch
-ops cost ~6 of a ~55 ms decode step, and torch's float32 RMSNorm ~90 µs a call on a slow CPU.
+additions) as one C pass each, in bf16 (csrc/elementwise_bf16.c: torch's roundings) and
+float32 (csrc/elementwise_f32.c), in place of the four to ten torch ops the same math takes;
+at batch 64 on 2 cores the bf16 torch ops cost ~6 of a ~55 ms decode step, and torch's float32
+RMSNorm ~90 µs a call on a slow CPU.
 The torch form of each stays in its layer (layers/norm.py, mlp.py, rope.py), which uses it
 where `applies` says no; the tests compare the two.
 """

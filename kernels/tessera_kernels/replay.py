@@ -24,6 +24,7 @@ import threading
 from typing import Iterator
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _local = threading.local()   # .recording: the Recording this thread is making, if any
@@ -32,46 +33,47 @@ _ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided
 
 class Recording:
     def __init__(self) -> None:
-        self.calls: list[tuple[ctypes._CFuncPtr, tuple]] = []
+        self.calls: list[tuple[ctypes._CFuncPtr, tuple, object]] = []   # function, arguments, what it returned
         self.tensors: list[torch.Tensor] = []   # every buffer the calls point into that was made while recording
         self.refused: str | None = None         # the first computing torch op met, by name
 
     def replay(self) -> None:
-        """Make every recorded call again, in order; a kernel's nonzero status (a bad slot, no
-        memory) raises, as its wrapper would have."""
+        """Make every recorded call again, in order. A call that returns other than it did when
+        recorded (a kernel's status: a bad slot, no memory) raises: its wrapper would have."""
         if self.refused is not None:
             raise RuntimeError(f"this recording ran a torch op ({self.refused}) it cannot replay")
-        for fn, args in self.calls:
-            status = fn(*args)
-            if status:
-                raise RuntimeError(f"{fn.__name__} returned {status} on replay")
+        for fn, args, result in self.calls:
+            got = fn(*args)
+            if got != result:
+                raise RuntimeError(f"{fn.__name__} returned {got} on replay, {result} when recorded")
 
 
 class Pool:
     """One block of memory that recordings allocate their contiguous buffers from, each from
     its start: for recordings of which only one is made or replayed at a time. A recording that
     needed more than the pool holds took the rest from torch (`overflowed`); `grow` then makes
-    room for the next, and the recordings made from the old block must be made again."""
+    room for the next, and the recordings made from the old block must be made again (each
+    holds the block it was made from, so theirs stays valid until they go)."""
 
     def __init__(self) -> None:
         self.buffer = torch.empty(0, dtype=torch.uint8)
-        self.used = self.needed = 0
+        self.used = 0   # bytes the current (or last) recording has taken
 
     def take(self, shape, dtype: torch.dtype) -> torch.Tensor | None:
         nbytes = math.prod(shape) * dtype.itemsize
         start = -(-self.used // 64) * 64                   # each buffer on its own cache lines
         self.used = start + nbytes
-        self.needed = max(self.needed, self.used)
         if self.used > self.buffer.numel():
             return None
         return self.buffer[start:start + nbytes].view(dtype).view(shape)
 
     @property
     def overflowed(self) -> bool:
-        return self.needed > self.buffer.numel()
+        """Whether the last recording needed more than the pool holds."""
+        return self.used > self.buffer.numel()
 
     def grow(self) -> None:
-        self.buffer = torch.empty(max(self.needed, 2 * self.buffer.numel()), dtype=torch.uint8)
+        self.buffer = torch.empty(max(self.used, 2 * self.buffer.numel()), dtype=torch.uint8)
 
 
 class _Guard(TorchDispatchMode):
@@ -93,9 +95,20 @@ class _Guard(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func in _ALLOCATIONS:
             self.recording.tensors.append(out)
-        elif not func.is_view and self.recording.refused is None:
+        elif not _views(func, out, args) and self.recording.refused is None:
             self.recording.refused = str(func)
         return out
+
+
+def _views(func, out, args) -> bool:
+    """Whether the op's outputs are views of its inputs' memory. An op whose schema says it
+    may alias (`to`, `contiguous`) makes a new tensor when it has to: that is computing."""
+    if not func.is_view:
+        return False
+    inputs = {a.untyped_storage().data_ptr() for a in pytree.tree_leaves(args)
+              if isinstance(a, torch.Tensor)}
+    return all(o.untyped_storage().data_ptr() in inputs for o in pytree.tree_leaves(out)
+               if isinstance(o, torch.Tensor))
 
 
 @contextlib.contextmanager
@@ -108,6 +121,7 @@ def record(pool: Pool | None = None) -> Iterator[Recording]:
     _local.recording = rec
     if pool is not None:
         pool.used = 0
+        rec.tensors.append(pool.buffer)
     try:
         with _Guard(rec, pool):
             yield rec
@@ -126,8 +140,9 @@ class RecordableCDLL(ctypes.CDLL):
             _restype_ = self._FuncPtr._restype_
 
             def __call__(self, *args):
+                result = super().__call__(*args)
                 rec = getattr(_local, "recording", None)
                 if rec is not None:
-                    rec.calls.append((self, args))
-                return super().__call__(*args)
+                    rec.calls.append((self, args, result))
+                return result
         self._FuncPtr = _FuncPtr

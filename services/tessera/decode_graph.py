@@ -4,18 +4,20 @@ there, `--enforce-eager` turns them off).
 A decode step of B requests (one new token each, no draft tree) makes the same C kernel calls
 with the same shapes at every step; what changes is the values in a few inputs: the hidden
 states out of the embedding, RoPE's cos and sin of the positions, the slots the new K/V go to,
-the block tables and the context lengths. A DecodeGraph keeps those inputs in buffers of its
-own, runs one step through the layer driver while tessera_kernels.replay records its calls,
-and at later steps of B requests copies the step's inputs into its buffers and makes the same
-calls again. Measured on AMD EPYC Zen 4 (2 cores, SmolLM2-135M, bf16, batch 1): the step's
-Python, ~5.8 of ~14.5 ms, goes.
+the block tables and the context lengths. Those inputs live in buffers of DecodeGraphs' own
+(Inputs); once per batch size a step runs through the layer driver while
+tessera_kernels.replay records its calls, and later steps of B requests copy their inputs into
+the buffers and make the same calls again. Measured on AMD EPYC Zen 4 (2 cores, SmolLM2-135M,
+bf16, batch 1): the step's Python, ~5.8 of ~14.5 ms, goes.
 
 Trust: a recording that met a torch op computing something (replay.Recording.refused: an MoE
-router, a dtype without C kernels, a linear on oneDNN) is not kept and that batch size stays
-eager; a kept one is replayed once beside the eager step on the same inputs and must give the
-same bits before it serves, else it is dropped and a warning logged. The weights must not be
-edited in place while graphs exist (the serving engine never does); the graph holds them, and
-every buffer its calls point into, alive.
+router, a dtype without C kernels, a linear on oneDNN) is not kept and, after a second try,
+that batch size stays eager. A kept one is replayed once beside the eager step on the same
+inputs and must give the same bits before it serves, else it is dropped and a warning logged;
+so is one whose replay fails (a call returning other than it did when recorded). The graphs
+hold every buffer their calls point into, the weights' memory included: a weight edited in
+place or moved after they were recorded is not seen by them (the serving engine never does
+either; the tools that edit weights run their own runners).
 """
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ from tessera_kernels import replay
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 64       # graphs for 1..64 requests (a larger batch runs eagerly)
-_ATTEMPTS = 2        # recordings tried per batch size (the first may meet a weight packed on first use)
+_ATTEMPTS = 2        # refused recordings per batch size before it stays eager (the first may meet a
+                     # weight packed on first use)
 
 
 def pure_decode(batch: ForwardBatch) -> bool:
@@ -42,107 +45,136 @@ def pure_decode(batch: ForwardBatch) -> bool:
             and batch.causal_token_idx is not None and batch.causal_token_idx.numel() == T)
 
 
-class DecodeGraph:
-    """One batch size's recorded step and the input buffers its calls read."""
+class Inputs:
+    """What changes from one decode step to the next, in buffers for up to max_batch requests
+    that every graph's calls read: a graph of B requests reads their first B rows."""
 
-    def __init__(self, model: CausalLM, batch_size: int, max_blocks: int) -> None:
-        B, dtype = batch_size, model.embed_tokens.weight.dtype
-        D = model.rope.cos.shape[-1]
-        self.x = torch.empty(B, model.config.hidden_size, dtype=dtype)
-        self.cos = torch.empty(B, 1, D, dtype=dtype)
-        self.sin = torch.empty(B, 1, D, dtype=dtype)
-        self.slots = torch.zeros(B, dtype=torch.long)
-        self.tables = torch.zeros(B, max_blocks, dtype=torch.long)   # the kernel reads a row's first blocks only
-        self.lens = torch.ones(B, dtype=torch.long)
-        self.rows = torch.arange(B)
+    def __init__(self, model: CausalLM, max_batch: int, max_blocks: int) -> None:
+        dtype, D = model.embed_tokens.weight.dtype, model.rope.cos.shape[-1]
+        self.x = torch.empty(max_batch, model.config.hidden_size, dtype=dtype)
+        self.cos = torch.empty(max_batch, 1, D, dtype=dtype)
+        self.sin = torch.empty(max_batch, 1, D, dtype=dtype)
+        self.slots = torch.zeros(max_batch, dtype=torch.long)
+        # a step's tables fill the first columns: the kernel reads only a row's first blocks
+        self.tables = torch.zeros(max_batch, max_blocks, dtype=torch.long)
+        self.lens = torch.ones(max_batch, dtype=torch.long)
+        self.rows = torch.arange(max_batch)   # attention reads only how many there are: all of them attend causally
+
+    def load(self, model: CausalLM, batch: ForwardBatch) -> tuple[torch.Tensor, ForwardBatch, tuple]:
+        """The step's inputs into the first B rows: hidden states, the batch and (cos, sin) as
+        the calls see them."""
+        B = batch.num_tokens
+        x = self.x[:B]
+        x.copy_(model.embed_tokens(batch.input_ids))
+        cos, sin = model.rope(batch.positions, x.dtype)
+        self.cos[:B].copy_(cos)
+        self.sin[:B].copy_(sin)
+        self.slots[:B].copy_(batch.slot_mapping)
+        self.lens[:B].copy_(batch.causal_context_lens)
+        self.tables[:B, :batch.causal_block_tables.shape[1]] = batch.causal_block_tables
+        static = dataclasses.replace(batch, slot_mapping=self.slots[:B], causal_token_idx=self.rows[:B],
+                                     causal_block_tables=self.tables[:B], causal_context_lens=self.lens[:B])
+        return x, static, (self.cos[:B], self.sin[:B])
+
+
+class DecodeGraph:
+    """One batch size's recorded step."""
+
+    def __init__(self) -> None:
         self.recording: replay.Recording | None = None
         self.out: torch.Tensor | None = None
         self.verified = False
 
-    def _load(self, model: CausalLM, batch: ForwardBatch) -> ForwardBatch:
-        """The step's inputs into this graph's buffers; the batch as its calls see it."""
-        self.x.copy_(model.embed_tokens(batch.input_ids))
-        cos, sin = model.rope(batch.positions, self.x.dtype)
-        self.cos.copy_(cos)
-        self.sin.copy_(sin)
-        self.slots.copy_(batch.slot_mapping)
-        self.lens.copy_(batch.causal_context_lens)
-        self.tables[:, :batch.causal_block_tables.shape[1]] = batch.causal_block_tables
-        return dataclasses.replace(batch, slot_mapping=self.slots, causal_token_idx=self.rows,
-                                   causal_block_tables=self.tables, causal_context_lens=self.lens)
-
-    def capture(self, model: CausalLM, batch: ForwardBatch, kv_caches: KVCaches, pool: replay.Pool) -> torch.Tensor:
+    def capture(self, model: CausalLM, batch: ForwardBatch, kv_caches: KVCaches, inputs: Inputs,
+                pool: replay.Pool) -> torch.Tensor:
         """Run the step's layers eagerly while recording them, their buffers from `pool`: the
         hidden states after the last layer (valid whether or not the recording can be kept)."""
-        static = self._load(model, batch)
+        x, static, rope = inputs.load(model, batch)
         with replay.record(pool) as rec:
-            out = run_layers(model, self.x, static, kv_caches, rope=(self.cos, self.sin))
+            out = run_layers(model, x, static, kv_caches, rope=rope)
         if rec.refused is None and not rec.calls:
             rec.refused = "no C kernel calls"
         self.recording, self.out = rec, out
         return out
 
-    def replay(self, model: CausalLM, batch: ForwardBatch) -> torch.Tensor:
-        """The hidden states after the last layer, in this graph's buffer (overwritten by the
-        next replay)."""
-        self._load(model, batch)
+    def replay(self, model: CausalLM, batch: ForwardBatch, inputs: Inputs) -> torch.Tensor:
+        """The hidden states after the last layer, in the pool (overwritten by the next replay
+        or recording of any graph)."""
+        inputs.load(model, batch)
         self.recording.replay()
         return self.out
 
 
 class DecodeGraphs:
     """The graphs of one model and KV cache, one per batch size up to max_batch, made on first
-    need; `forward` is driver.forward's contract. Their intermediate buffers share one pool (one
-    graph runs at a time): its size is the largest graph's (SmolLM2: ~0.6 MB a request)."""
+    need; `forward` is driver.forward's contract. One graph runs at a time, so they share their
+    inputs (Inputs) and one pool for their intermediate buffers, as large as the largest graph
+    needs (SmolLM2 in bf16: ~0.6 MB a request, held besides the KV cache)."""
 
-    def __init__(self, model: CausalLM, kv_caches: KVCaches, max_blocks: int, max_batch: int = MAX_BATCH) -> None:
-        self.model, self.kv_caches, self.max_blocks, self.max_batch = model, kv_caches, max_blocks, max_batch
-        self.graphs: dict[int, DecodeGraph] = {}
-        self.attempts: dict[int, int] = {}
-        self.replayed_steps = 0
+    def __init__(self, model: CausalLM, kv_caches: KVCaches, max_blocks: int, max_num_seqs: int) -> None:
+        self.model, self.kv_caches, self.max_blocks = model, kv_caches, max_blocks
+        self.max_batch = min(max_num_seqs, MAX_BATCH)
+        self.inputs = Inputs(model, self.max_batch, max_blocks)
         self.pool = replay.Pool()
-        self._held: dict[int, torch.Tensor] = {}   # what the recorded calls point into besides the graphs' buffers
+        self.graphs: dict[int, DecodeGraph] = {}
+        self.refusals: dict[int, int] = {}
+        self.replayed_steps = 0
+        # by address: what the recorded calls point into besides the inputs and the pool
+        self._held: dict[int, torch.Tensor] = {}
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         B = batch.num_tokens
         if (not pure_decode(batch) or B > self.max_batch or batch.causal_block_tables.shape[1] > self.max_blocks
-                or (B not in self.graphs and self.attempts.get(B, 0) >= _ATTEMPTS)):
+                or self.refusals.get(B, 0) >= _ATTEMPTS):
             return forward(self.model, batch, self.kv_caches)
         graph = self.graphs.get(B)
         if graph is None:
             return final_hidden(self.model, self._capture(B, batch), batch)
-        if not graph.verified:
-            eager = forward(self.model, batch, self.kv_caches)
-            replayed = final_hidden(self.model, graph.replay(self.model, batch), batch)
-            if torch.equal(eager, replayed):
-                graph.verified = True
-            else:
-                del self.graphs[B]
-                self.attempts[B] = _ATTEMPTS
-                log.warning("decode graph for %d requests differs from the eager step: batch size left eager", B)
-            return eager
-        self.replayed_steps += 1
-        return final_hidden(self.model, graph.replay(self.model, batch), batch)
+        try:
+            replayed = final_hidden(self.model, graph.replay(self.model, batch, self.inputs), batch)
+        except RuntimeError as e:
+            self._drop(B, f"failed ({e})")
+            return forward(self.model, batch, self.kv_caches)     # writes this step's K/V again
+        if graph.verified:
+            self.replayed_steps += 1
+            return replayed
+        # The first replay is checked against the eager step, which runs after it so that its
+        # K/V writes are the ones that stay.
+        eager = forward(self.model, batch, self.kv_caches)
+        if torch.equal(eager, replayed):
+            graph.verified = True
+        else:
+            self._drop(B, "differs from the eager step")
+        return eager
 
     def _capture(self, B: int, batch: ForwardBatch) -> torch.Tensor:
-        self.attempts[B] = self.attempts.get(B, 0) + 1
-        graph = DecodeGraph(self.model, B, self.max_blocks)
-        out = graph.capture(self.model, batch, self.kv_caches, self.pool)
+        graph = DecodeGraph()
+        out = graph.capture(self.model, batch, self.kv_caches, self.inputs, self.pool)
         refused = graph.recording.refused
-        if refused is None and self.pool.overflowed:
-            # a larger pool for the next recordings; those made from the old one are made again
+        if refused is not None:
+            self.refusals[B] = self.refusals.get(B, 0) + 1
+            log.info("decode step of %d requests not recorded (%s): it runs eagerly", B, refused)
+        elif self.pool.overflowed:
+            # a larger pool for the next recordings; the graphs made from the old one are made
+            # again at their next step
             self.pool.grow()
             self.graphs.clear()
-            self.attempts[B] -= 1
-        elif refused is None:
-            self.graphs[B] = graph
-            self._held.update((id(t), t) for t in _weights(self.model))
         else:
-            log.info("decode step of %d requests not recorded (%s): it runs eagerly", B, refused)
+            self.graphs[B] = graph
+            self._held.update((t.untyped_storage().data_ptr(), t) for t in _weights(self.model))
         return out
+
+    def _drop(self, B: int, why: str) -> None:
+        del self.graphs[B]
+        self.refusals[B] = _ATTEMPTS
+        log.warning("decode graph for %d requests %s: that batch size runs eagerly", B, why)
 
 
 def _weights(model: CausalLM) -> list[torch.Tensor]:
-    """The parameters and the kernels' packed copies of them (made on first use)."""
-    derived = [getattr(m, name, None) for m in model.modules() for name in ("_packed", "_blocked")]
-    return list(model.parameters()) + [t for t in derived if isinstance(t, torch.Tensor)]
+    """Every tensor the modules hold now (parameters, buffers, the kernels' packed copies made
+    on first use, quantized codes), as new references to their memory: a weight whose storage
+    is replaced later (huge_pages.move_weights) leaves the graphs reading the old copy, not
+    freed memory."""
+    held = list(model.parameters()) + list(model.buffers())
+    held += [t for m in model.modules() for t in vars(m).values() if isinstance(t, torch.Tensor)]
+    return [t.detach() for t in held]

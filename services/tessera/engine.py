@@ -15,7 +15,6 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from tessera import decode_graph
 from tessera.config import ConfigError, EngineConfig, SamplingParams
 from tessera.detokenizer import IncrementalDetokenizer
 from tessera.kv_cache import KVCacheManager
@@ -99,9 +98,8 @@ class Engine:
         self._reset_prefix_cache = False
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = make_runner(model, num_blocks, cache.block_size)
-        if not config.enforce_eager and type(self.runner) is ModelRunner:
-            self.runner.replay_decode_steps(-(-self.max_model_len // cache.block_size),
-                                            min(config.scheduler.max_num_seqs, decode_graph.MAX_BATCH))
+        if not config.enforce_eager and getattr(self.runner, "decode_graphs_apply", False):
+            self.runner.replay_decode_steps(-(-self.max_model_len // cache.block_size), config.scheduler.max_num_seqs)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
             {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         self._detok: dict[str, IncrementalDetokenizer] = {}
