@@ -10,8 +10,8 @@ import torch
 from tessera import decode_graph
 from tessera.config import CacheConfig, EngineConfig, SamplingParams
 from tessera.engine import Engine
-from tessera.layers import linear
-from tessera_kernels import elementwise_cpu, gemv_cpu, replay
+from tessera.layers import linear, quant
+from tessera_kernels import elementwise_cpu, gemv_cpu, gemv_quant_cpu, replay
 
 pytestmark = pytest.mark.skipif(elementwise_cpu._library(torch.float32) is None, reason="no C compiler for the kernels")
 # Both runs of a prompt prefill it whole: a prefix-cache hit would prefill the rest in other
@@ -42,6 +42,9 @@ def test_a_recording_refuses_torch_ops_that_compute_and_ignores_other_threads():
     assert rec.refused == "aten.to.dtype" and len(rec.calls) == 1
     with pytest.raises(RuntimeError, match="aten.to"):
         rec.replay()
+    with torch.inference_mode(), replay.record() as rec:
+        torch.tensor([1.0, 2.0])           # data filled from Python: not a view of anything
+    assert rec.refused == "aten.lift_fresh.default"
 
 
 def _generate(engine: Engine, eager: bool, prompts, max_tokens) -> list[list[int]]:
@@ -62,19 +65,28 @@ def _generate(engine: Engine, eager: bool, prompts, max_tokens) -> list[list[int
 
 
 def _recordable_sizes(engine: Engine, sizes) -> set[int]:
-    """The batch sizes whose every linear takes a C kernel on this CPU (the GEMV, the AMX or
-    register tiles); at others a linear goes to oneDNN and the step is not recorded."""
-    w = engine.runner.model.lm_head.weight
+    """The batch sizes at which the decoder layers' linears take a C kernel on this CPU (the
+    GEMV, the AMX or register tiles, the int4/int8 GEMVs in bf16); at others a linear goes to
+    oneDNN or converts its input, and the step is not recorded."""
+    lin = engine.runner.model.layers[0].attn.qkv_proj
+    dtype = engine.runner.model.embed_tokens.weight.dtype
+    if isinstance(lin, (quant.Int4Linear, quant.Int8Linear)):
+        rows = quant.GEMV_MAX_ROWS if isinstance(lin, quant.Int4Linear) else quant.GEMV_MAX_ROWS_INT8
+        ok = dtype == torch.bfloat16 and gemv_quant_cpu.available()
+        return {b for b in sizes if ok and b <= rows}
+    w = lin.weight
     return {b for b in sizes
             if (x := torch.zeros(b, w.shape[1], dtype=w.dtype)) is not None
             and (gemv_cpu.applies(x, w) or any(k.applies(x, w) for k in linear._PACKED_KERNELS))}
 
 
-@pytest.mark.parametrize("dtype,quantization", [("float32", None), ("bfloat16", None), ("bfloat16", "int4")])
+@pytest.mark.parametrize("dtype,quantization", [("float32", None), ("bfloat16", None), ("bfloat16", "int4"),
+                                                ("float32", "int4")])
 def test_replayed_steps_give_the_eager_engines_tokens(dtype, quantization):
     """SmolLM2's real weights: one request, then five that finish at different steps (batch
     sizes 5, 4, ..., 1 each recorded, checked and replayed, the pool grown on the way), and a
-    batch over max_batch (eager). int4: its GEMV (up to 16 rows) is recorded as well."""
+    batch over max_batch (eager). int4: its GEMV (up to 16 rows) is recorded as well in bf16;
+    in float32 each int4 linear converts its input to bf16 (a torch op): no graphs."""
     engine = Engine(EngineConfig(dtype=dtype, quantization=quantization, num_threads=2, cache=_NO_PREFIX_CACHE))
     graphs = engine.runner.graphs
     assert graphs is not None and graphs.max_batch == min(decode_graph.MAX_BATCH, engine.config.scheduler.max_num_seqs)
@@ -86,7 +98,7 @@ def test_replayed_steps_give_the_eager_engines_tokens(dtype, quantization):
         assert _generate(engine, False, *case) == _generate(engine, True, *case)
     expected = _recordable_sizes(engine, range(1, 6))
     assert set(graphs.graphs) == expected and all(gr.verified for gr in graphs.graphs.values())
-    assert 6 not in graphs.refusals and (graphs.replayed_steps > 30 or 1 not in expected)
+    assert 6 not in graphs.refusals and not graphs.dropped and (graphs.replayed_steps > 30 or 1 not in expected)
 
 
 def test_a_batch_size_is_recorded_again_after_the_pool_grows():
@@ -98,7 +110,7 @@ def test_a_batch_size_is_recorded_again_after_the_pool_grows():
         pytest.skip("a linear of these sizes is not a C kernel on this CPU")
     for n in (1, 2, 1, 3, 1):
         _generate(engine, False, [[100 + i, 7, 8, 9] for i in range(n)], [6] * n)
-    assert 1 in graphs.graphs and graphs.graphs[1].verified and not graphs.refusals
+    assert 1 in graphs.graphs and graphs.graphs[1].verified and not graphs.refusals and not graphs.dropped
     assert graphs.pool.buffer.numel() >= graphs.pool.used > 0
 
 
@@ -109,12 +121,15 @@ def test_a_step_with_torch_ops_is_not_recorded_and_stays_exact(tiny_models):
     assert _generate(engine, False, prompts, lens) == _generate(engine, True, prompts, lens)
     graphs = engine.runner.graphs
     assert not graphs.graphs and graphs.replayed_steps == 0 and graphs.refusals == {2: 2, 1: 2}
+    assert not graphs.dropped          # refused while recording, not dropped after a failed check
 
 
 def test_a_replay_that_differs_from_the_eager_step_is_dropped_and_its_kv_overwritten(monkeypatch, caplog):
     """A replay that computes wrong K/V and hidden states (as a call the recording missed
     would): the eager step runs after it, so its K/V stay and the tokens are the eager ones."""
     engine = Engine(EngineConfig(dtype="float32", num_threads=2, cache=_NO_PREFIX_CACHE))
+    if _recordable_sizes(engine, {1}) != {1}:
+        pytest.skip("a float32 linear of one row is not a C kernel on this CPU")
     real = decode_graph.DecodeGraph.replay
 
     def corrupted(self, model, batch, inputs):
@@ -127,12 +142,15 @@ def test_a_replay_that_differs_from_the_eager_step_is_dropped_and_its_kv_overwri
     with caplog.at_level(logging.WARNING, logger="tessera.decode_graph"):
         got = _generate(engine, False, [prompt], [12])
     assert got == _generate(engine, True, [prompt], [12])
-    assert not engine.runner.graphs.graphs and engine.runner.graphs.replayed_steps == 0
+    graphs = engine.runner.graphs
+    assert not graphs.graphs and graphs.replayed_steps == 0 and graphs.dropped == {1}
     assert "differs from the eager step" in caplog.text
 
 
 def test_a_replay_that_fails_midway_is_dropped_and_the_step_run_eagerly(monkeypatch, caplog):
     engine = Engine(EngineConfig(dtype="float32", num_threads=2, cache=_NO_PREFIX_CACHE))
+    if _recordable_sizes(engine, {1}) != {1}:
+        pytest.skip("a float32 linear of one row is not a C kernel on this CPU")
     real, replays = replay.Recording.replay, []
 
     def failing(self):
@@ -146,7 +164,8 @@ def test_a_replay_that_fails_midway_is_dropped_and_the_step_run_eagerly(monkeypa
     with caplog.at_level(logging.WARNING, logger="tessera.decode_graph"):
         got = _generate(engine, False, [prompt], [12])
     assert got == _generate(engine, True, [prompt], [12])
-    assert len(replays) == 3 and not engine.runner.graphs.graphs and "failed" in caplog.text
+    assert len(replays) == 3 and not engine.runner.graphs.graphs and engine.runner.graphs.dropped == {1}
+    assert "failed" in caplog.text
 
 
 def test_enforce_eager_makes_no_graphs():

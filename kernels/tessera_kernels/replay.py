@@ -13,7 +13,9 @@ a memory pool): the memory is then the largest recording's, not their sum.
 
 What is recorded must be all there is: a torch op that computes (anything but a view or an
 allocation) while recording would not be made again, so the recording refuses it and says which
-(`Recording.refused`); the caller then keeps running that code as it is.
+(`Recording.refused`); the caller then keeps running that code as it is. What reaches memory
+without a torch op (torch.from_numpy, ctypes buffers) the guard cannot see: code that is
+recorded must not pass such memory to a kernel.
 """
 from __future__ import annotations
 
@@ -95,20 +97,24 @@ class _Guard(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func in _ALLOCATIONS:
             self.recording.tensors.append(out)
-        elif not _views(func, out, args) and self.recording.refused is None:
+        elif not _views(func, out, args, kwargs) and self.recording.refused is None:
             self.recording.refused = str(func)
         return out
 
 
-def _views(func, out, args) -> bool:
+def _views(func, out, args, kwargs) -> bool:
     """Whether the op's outputs are views of its inputs' memory. An op whose schema says it
-    may alias (`to`, `contiguous`) makes a new tensor when it has to: that is computing."""
-    if not func.is_view:
+    may alias (`to`, `contiguous`) makes a new tensor when it has to: that is computing; so is
+    `lift_fresh` (torch.tensor's data, filled from Python)."""
+    if not func.is_view or func is torch.ops.aten.lift_fresh.default:
         return False
-    inputs = {a.untyped_storage().data_ptr() for a in pytree.tree_leaves(args)
-              if isinstance(a, torch.Tensor)}
-    return all(o.untyped_storage().data_ptr() in inputs for o in pytree.tree_leaves(out)
-               if isinstance(o, torch.Tensor))
+    try:
+        inputs = {a.untyped_storage().data_ptr() for a in pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor)}
+        return all(o.untyped_storage().data_ptr() in inputs for o in pytree.tree_leaves(out)
+                   if isinstance(o, torch.Tensor))
+    except (RuntimeError, NotImplementedError):     # a tensor without storage (oneDNN's, sparse)
+        return False
 
 
 @contextlib.contextmanager

@@ -117,7 +117,8 @@ class DecodeGraphs:
         self.inputs = Inputs(model, self.max_batch, max_blocks)
         self.pool = replay.Pool()
         self.graphs: dict[int, DecodeGraph] = {}
-        self.refusals: dict[int, int] = {}
+        self.refusals: dict[int, int] = {}       # recordings refused, per batch size
+        self.dropped: set[int] = set()           # batch sizes whose graph failed its check or a replay
         self.replayed_steps = 0
         # by address: what the recorded calls point into besides the inputs and the pool
         self._held: dict[int, torch.Tensor] = {}
@@ -125,7 +126,7 @@ class DecodeGraphs:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         B = batch.num_tokens
         if (not pure_decode(batch) or B > self.max_batch or batch.causal_block_tables.shape[1] > self.max_blocks
-                or self.refusals.get(B, 0) >= _ATTEMPTS):
+                or self.refusals.get(B, 0) >= _ATTEMPTS or B in self.dropped):
             return forward(self.model, batch, self.kv_caches)
         graph = self.graphs.get(B)
         if graph is None:
@@ -166,7 +167,7 @@ class DecodeGraphs:
 
     def _drop(self, B: int, why: str) -> None:
         del self.graphs[B]
-        self.refusals[B] = _ATTEMPTS
+        self.dropped.add(B)
         log.warning("decode graph for %d requests %s: that batch size runs eagerly", B, why)
 
 
@@ -177,4 +178,6 @@ def _weights(model: CausalLM) -> list[torch.Tensor]:
     freed memory."""
     held = list(model.parameters()) + list(model.buffers())
     held += [t for m in model.modules() for t in vars(m).values() if isinstance(t, torch.Tensor)]
-    return [t.detach() for t in held]
+    # oneDNN's blocked weights (no storage to key by) are never under a recorded call: a
+    # linear on oneDNN makes the recording refuse
+    return [t.detach() for t in held if t.layout == torch.strided]
