@@ -366,8 +366,8 @@ def test_only_bf16_prompts_go_to_sdpa_and_only_where_the_cpu_has_amx():
 def test_amx_linear_matches_its_reference_and_onednn(M, N, K, bias):
     """Row counts on and off the 16-row tiles (a padded last block), with a bias, and x a view
     whose rows are further apart than K: close to the float32 reference, and oneDNN's bf16
-    linear where the engine uses it (up to MAX_ROWS; equal bit for bit on the Xeon we measured,
-    where the tile products run in the same order)."""
+    linear (bit for bit up to 32 rows on the Xeon we measured, where the tile products run in the
+    same order; at 33-64 rows about one element in 10^4 differs in the last bit)."""
     g = torch.Generator().manual_seed(M * N + K)
     w = torch.randn(N, K, generator=g).bfloat16()
     x = torch.randn(M, K + 64, generator=g).bfloat16()[:, 32:32 + K]
@@ -377,8 +377,7 @@ def test_amx_linear_matches_its_reference_and_onednn(M, N, K, bias):
     torch.testing.assert_close(y.float(), ref.float(), rtol=1.6e-2, atol=1e-2)
     onednn = torch.ops.mkldnn._linear_pointwise(x.contiguous(), torch.ops.mkldnn._reorder_linear_weight(w, None),
                                                 b, "none", [], "")
-    if M <= amx_linear.MAX_ROWS:   # bit for bit on the Xeon measured; a last-bit difference is allowed
-        assert (y != onednn).float().mean().item() <= 1e-3
+    assert (y != onednn).float().mean().item() <= 1e-3
 
 
 def test_amx_linear_applies_only_to_mid_batches_of_bf16_tiles():
@@ -386,7 +385,8 @@ def test_amx_linear_applies_only_to_mid_batches_of_bf16_tiles():
     ok = amx_linear.available()
     assert amx_linear.applies(torch.zeros(8, 64, dtype=torch.bfloat16), w) == ok
     assert not amx_linear.applies(torch.zeros(4, 64, dtype=torch.bfloat16), w)        # the GEMV's
-    assert not amx_linear.applies(torch.zeros(33, 64, dtype=torch.bfloat16), w)       # oneDNN's
+    assert amx_linear.applies(torch.zeros(64, 64, dtype=torch.bfloat16), w) == ok     # a batch-64 decode
+    assert not amx_linear.applies(torch.zeros(65, 64, dtype=torch.bfloat16), w)       # oneDNN's
     assert not amx_linear.applies(torch.zeros(8, 64), w.float())
     assert not amx_linear.applies(torch.zeros(8, 48, dtype=torch.bfloat16), torch.zeros(64, 48, dtype=torch.bfloat16))
     assert not amx_linear.applies(torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(48, 64, dtype=torch.bfloat16))
@@ -394,7 +394,7 @@ def test_amx_linear_applies_only_to_mid_batches_of_bf16_tiles():
 
 @pytest.mark.skipif(not amx_linear.available(), reason="this CPU has no AMX (amx_bf16): the AMX linear is not built")
 def test_linear_layer_takes_the_amx_path_for_mid_batches(monkeypatch):
-    """The layer sends 5-32 bf16 rows to the AMX kernel (spied), with the same result as the
+    """The layer sends 5-64 bf16 rows to the AMX kernel (spied), with the same result as the
     oneDNN path it replaces, and packs again after its weight changes."""
     from tessera.layers.linear import Linear
     layer = Linear(64, 96, bias=True).bfloat16().requires_grad_(False)

@@ -1,4 +1,4 @@
-"""bf16 linear on AMX tiles for decode batches of 5 to 32 rows (csrc/amx_linear_bf16.c), with
+"""bf16 linear on AMX tiles for decode batches of 5 to 64 rows (csrc/amx_linear_bf16.c), with
 its weight packed once into the tiles' layout. Where the CPU has no AMX or the C compiler
 cannot target it, available() is False and callers keep oneDNN; TESSERA_DISABLE_AMX_LINEAR=1
 does the same on purpose (A/B measurements).
@@ -6,9 +6,13 @@ does the same on purpose (A/B measurements).
 Measured (Intel Xeon with AMX, 2 cores, SmolLM2's 121 decode linears with their weights
 streamed from memory, oneDNN's blocked weights against these): 8 rows 14-25 -> 11-15 ms,
 16 rows 14-26 -> 12-15 ms, 32 rows 16-32 -> 11-22 ms (the machine drifts within minutes;
-ours was faster in every pair). At 48 and 64 rows the two are even, and oneDNN keeps them.
-At 1 to 32 rows the results equal oneDNN's bit for bit (the same tile products in the same
-order); at 33 to 64 rows a few elements differ in the last bit.
+ours was faster in every pair). At 48 and 64 rows the two are even (the batch-64 step's
+linears 26-28 ms either way), and this kernel takes them anyway: a ctypes call can be recorded
+and replayed (decode_graph.py), oneDNN's cannot, and the replayed batch-64 step is 49-51 ms
+against 60-66 ms eager (model 167, 2026-11-27).
+At 5 to 32 rows the results equal oneDNN's bit for bit (the same tile products in the same
+order); at 33 to 64 rows about one element in 10^4 differs in the last bit (as the register
+tiles' on AMD, tile_linear.py).
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import torch
 
 from tessera_kernels import cbuild
 
-MIN_ROWS, MAX_ROWS = 5, 32   # below: the GEMV kernel (gemv_cpu); above: oneDNN (see the docstring)
+MIN_ROWS, MAX_ROWS = 5, 64   # below: the GEMV kernel (gemv_cpu); above: oneDNN (prompt chunks)
 
 
 @functools.cache
