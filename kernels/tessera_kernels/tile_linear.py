@@ -32,9 +32,10 @@ NV_MAX = 3           # column blocks per panel, as in the C sources
 BF16_MIN_ROWS = 5    # below: the bf16 GEMV kernel (gemv_cpu), which streams weights at memory speed
 
 
+@functools.cache   # every linear asks (os.environ is a dict lookup and a decode: ~2 us a call)
 def _library(dtype: torch.dtype) -> tuple[ctypes.CDLL, int] | None:
     """The kernel for this dtype and its lanes per vector (the column block's width), unless
-    TESSERA_DISABLE_TILE_LINEAR=1 keeps the callers on oneDNN."""
+    TESSERA_DISABLE_TILE_LINEAR=1 (read once per process) keeps the callers on oneDNN."""
     return None if os.environ.get("TESSERA_DISABLE_TILE_LINEAR") == "1" else _built(dtype)
 
 

@@ -26,6 +26,7 @@ way; a chunk given an explicit mask takes SDPA.
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Sequence
 
@@ -120,8 +121,12 @@ def prompts_by_sdpa(q: torch.Tensor) -> bool:
     """Whether prompt chunks attend through SDPA although the kernel applies: bf16 where the
     CPU has AMX (see the module docstring for the measurement, made before the kernel's
     prompt tiles; TESSERA_PROMPTS_BY_KERNEL=1 keeps them on the kernel there, for the A/B)."""
-    return (q.dtype == torch.bfloat16 and "amx_bf16" in cbuild.cpu_flags()
-            and os.environ.get("TESSERA_PROMPTS_BY_KERNEL") != "1")
+    return q.dtype == torch.bfloat16 and _amx_prompts_by_sdpa()
+
+
+@functools.cache   # read once per process: every layer of every step asks
+def _amx_prompts_by_sdpa() -> bool:
+    return "amx_bf16" in cbuild.cpu_flags() and os.environ.get("TESSERA_PROMPTS_BY_KERNEL") != "1"
 
 
 def _fresh_prompts_only(batch: ForwardBatch) -> bool:
