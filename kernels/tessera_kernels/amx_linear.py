@@ -6,8 +6,8 @@ does the same on purpose (A/B measurements).
 Measured (Intel Xeon with AMX, 2 cores, SmolLM2's 121 decode linears with their weights
 streamed from memory, oneDNN's blocked weights against these): 8 rows 14-25 -> 11-15 ms,
 16 rows 14-26 -> 12-15 ms, 32 rows 16-32 -> 11-22 ms (the machine drifts within minutes;
-ours was faster in every pair). At 48 and 64 rows the two are even (the batch-64 step's
-linears 26-28 ms either way), and this kernel takes them anyway: a ctypes call can be recorded
+ours was faster in every pair). At 48 and 64 rows the two are about even (64 rows: 21.5-23.6
+ms against 23-24), and this kernel takes them anyway: a ctypes call can be recorded
 and replayed (decode_graph.py), oneDNN's cannot, and the replayed batch-64 step is 49-51 ms
 against 60-66 ms eager (model 167, 2026-11-27).
 At 5 to 32 rows the results equal oneDNN's bit for bit (the same tile products in the same
