@@ -1,6 +1,7 @@
 """Replayed decode steps (tessera_kernels.replay, tessera.decode_graph) against the eager engine."""
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 
@@ -147,7 +148,12 @@ def test_a_replay_that_differs_from_the_eager_step_is_dropped_and_its_kv_overwri
     assert "differs from the eager step" in caplog.text
 
 
-def test_a_replay_that_fails_midway_is_dropped_and_the_step_run_eagerly(monkeypatch, caplog):
+@pytest.mark.parametrize("in_python", [False, True], ids=["c-loop", "python-loop"])
+def test_a_replay_that_fails_midway_is_dropped_and_the_step_run_eagerly(monkeypatch, caplog, in_python):
+    if in_python:
+        monkeypatch.setattr(replay, "_executor", lambda: None)
+    elif replay._executor() is None:
+        pytest.skip("no C replay loop here (not x86-64 Linux, or it did not build)")
     engine = Engine(EngineConfig(dtype="float32", num_threads=2, cache=_NO_PREFIX_CACHE))
     if _recordable_sizes(engine, {1}) != {1}:
         pytest.skip("a float32 linear of one row is not a C kernel on this CPU")
@@ -155,9 +161,13 @@ def test_a_replay_that_fails_midway_is_dropped_and_the_step_run_eagerly(monkeypa
 
     def failing(self):
         replays.append(self)
-        if len(replays) == 3:
-            fn, args, _ = self.calls[len(self.calls) // 2]
-            self.calls[len(self.calls) // 2] = (fn, args, "not this")    # as a kernel's failed status
+        if len(replays) == 3:   # a kernel's status (kv_write's) other than when recorded
+            i = next(i for i, (fn, _, result) in enumerate(self.calls) if fn.restype is ctypes.c_int and i > 0)
+            fn, args, result = self.calls[i]
+            self.calls[i] = (fn, args, result + 1)
+            if self._plan is not None:          # the C loop's record of the same call
+                assert not in_python
+                self._plan[i].expect = result + 1
         return real(self)
     monkeypatch.setattr(replay.Recording, "replay", failing)
     prompt = list(range(300, 340))
@@ -171,3 +181,28 @@ def test_a_replay_that_fails_midway_is_dropped_and_the_step_run_eagerly(monkeypa
 def test_enforce_eager_makes_no_graphs():
     engine = Engine(EngineConfig(dtype="float32", num_threads=2, enforce_eager=True))
     assert engine.runner.graphs is None
+
+
+def test_the_c_loop_passes_integers_and_floats_and_checks_int_results():
+    """replay_calls.c's one prototype for every kernel: integer-class arguments in order, floats
+    in order (libm's lrintf takes its float in xmm0), int results compared with the recorded
+    ones; a function with another signature (a double) leaves the recording in Python."""
+    if replay._executor() is None:
+        pytest.skip("no C replay loop here (not x86-64 Linux, or it did not build)")
+    libc, libm = ctypes.CDLL(None), ctypes.CDLL("libm.so.6")
+    labs, lrintf, fabs = libc.labs, libm.lrintf, libm.fabs
+    labs.argtypes, labs.restype = [ctypes.c_int64], ctypes.c_int
+    lrintf.argtypes, lrintf.restype = [ctypes.c_float], ctypes.c_int
+    fabs.argtypes, fabs.restype = [ctypes.c_double], None
+    rec = replay.Recording()
+    rec.calls += [(labs, (-5,), 5), (lrintf, (2.75,), 3)]
+    rec.replay()
+    assert rec._plan is not None and len(rec._plan) == 2
+    rec.calls[1] = (lrintf, (2.75,), 4)
+    rec._planned = False
+    with pytest.raises(RuntimeError, match="lrintf returned 3 on replay, 4 when recorded"):
+        rec.replay()
+    other = replay.Recording()
+    other.calls += [(labs, (-5,), 5), (fabs, (-1.5,), None)]
+    other.replay()
+    assert other._plan is None
