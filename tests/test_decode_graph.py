@@ -99,6 +99,8 @@ def test_replayed_steps_give_the_eager_engines_tokens(dtype, quantization):
         assert _generate(engine, False, *case) == _generate(engine, True, *case)
     expected = _recordable_sizes(engine, range(1, 6))
     assert set(graphs.graphs) == expected and all(gr.verified for gr in graphs.graphs.values())
+    if replay._executor() is not None:   # replayed by the C loop: every kernel's signature fits it
+        assert all(gr.recording._plan is not None for gr in graphs.graphs.values())
     assert 6 not in graphs.refusals and not graphs.dropped and (graphs.replayed_steps > 30 or 1 not in expected)
 
 
@@ -161,12 +163,12 @@ def test_a_replay_that_fails_midway_is_dropped_and_the_step_run_eagerly(monkeypa
 
     def failing(self):
         replays.append(self)
-        if len(replays) == 3:   # a kernel's status (kv_write's) other than when recorded
+        if len(replays) == 3:   # a kernel's int status other than when recorded, past the first call
+            assert (self._plan is None) == in_python
             i = next(i for i, (fn, _, result) in enumerate(self.calls) if fn.restype is ctypes.c_int and i > 0)
             fn, args, result = self.calls[i]
             self.calls[i] = (fn, args, result + 1)
             if self._plan is not None:          # the C loop's record of the same call
-                assert not in_python
                 self._plan[i].expect = result + 1
         return real(self)
     monkeypatch.setattr(replay.Recording, "replay", failing)

@@ -361,7 +361,7 @@ def test_only_bf16_prompts_go_to_sdpa_and_only_where_the_cpu_has_amx():
 
 
 @pytest.mark.skipif(not amx_linear.available(), reason="this CPU has no AMX (amx_bf16): the AMX linear is not built")
-@pytest.mark.parametrize("M", [5, 16, 17, 31, 32, 40, 64])
+@pytest.mark.parametrize("M", [5, 16, 17, 31, 32, 33, 40, 48, 64])
 @pytest.mark.parametrize("N,K,bias", [(960, 576, False), (576, 1536, True), (32, 32, True)])
 def test_amx_linear_matches_its_reference_and_onednn(M, N, K, bias):
     """Row counts on and off the 16-row tiles (a padded last block), with a bias, and x a view

@@ -80,13 +80,14 @@ def _executor() -> tuple[ctypes.CDLL, type] | None:
     """The C loop that makes a recording's calls (csrc/replay_calls.c) and its call record,
     where the calling convention it relies on holds (x86-64 Linux) and it builds;
     TESSERA_REPLAY_IN_PYTHON=1 keeps the loop in Python (A/B measurements)."""
-    if (platform.machine() != "x86_64" or sys.platform != "linux"
+    if (platform.machine() != "x86_64" or sys.platform != "linux" or ctypes.sizeof(ctypes.c_void_p) != 8
             or os.environ.get("TESSERA_REPLAY_IN_PYTHON") == "1"):
         return None
     from tessera_kernels import cbuild     # cbuild loads every library through this module
-    lib = cbuild.load("replay_calls")
-    if lib is None:
+    built = cbuild.load("replay_calls")
+    if built is None:
         return None
+    lib = ctypes.CDLL(built._name)          # a plain handle: the loop itself is never recorded
     lib.replay_calls.restype = ctypes.c_int64
     lib.replay_calls.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
 
@@ -100,7 +101,9 @@ def _executor() -> tuple[ctypes.CDLL, type] | None:
 def _plan(calls: list[tuple[ctypes._CFuncPtr, tuple, object]]) -> ctypes.Array | None:
     """The calls as the C loop's records, or None (replay them from Python) where there is no
     C loop or a function's declared types are not all pointers, integers and floats (with an
-    int or no result) or do not fit its registers and slots."""
+    int or no result, and no errcheck), its arguments not plain ints and floats, or more than
+    the loop's registers and slots. The plan is made once: calls edited afterwards are not
+    seen (nothing edits them; a test that does makes the plan again)."""
     executor = _executor()
     if executor is None or not calls:
         return None
@@ -108,12 +111,14 @@ def _plan(calls: list[tuple[ctypes._CFuncPtr, tuple, object]]) -> ctypes.Array |
     plan = (Call * len(calls))()
     for record, (fn, args, result) in zip(plan, calls):
         types = fn.argtypes
-        if types is None or len(types) != len(args) or fn.restype not in (None, ctypes.c_int):
+        if (types is None or len(types) != len(args) or fn.restype not in (None, ctypes.c_int)
+                or getattr(fn, "errcheck", None) is not None):
             return None
         ints = [a or 0 for t, a in zip(types, args) if t in _INTS]
         floats = [a for t, a in zip(types, args) if t is ctypes.c_float]
         if (len(ints) + len(floats) != len(args) or len(ints) > len(record.ints)
-                or len(floats) > len(record.floats)):
+                or len(floats) > len(record.floats) or not all(type(a) is int for a in ints)
+                or not all(isinstance(a, (int, float)) for a in floats)):
             return None
         record.fn = ctypes.cast(fn, ctypes.c_void_p).value
         record.ints[:len(ints)] = ints

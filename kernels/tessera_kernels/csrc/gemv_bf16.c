@@ -13,7 +13,14 @@
 #include "vec16.h"
 
 #define MAX_ROWS 4
-#define COLUMNS 4   /* weight rows streamed side by side (see columns) */
+/* Weight rows streamed side by side (see columns), M x COLUMNS(M) accumulators in registers:
+ * 32 zmm registers with AVX-512; the AVX2 build's 16 lanes take two of its 16 ymm registers, so
+ * there at most four accumulators (more spill). */
+#if defined(__AVX512F__)
+#define COLUMNS(M) 4
+#else
+#define COLUMNS(M) ((M) == 1 ? 4 : (M) == 2 ? 2 : 1)
+#endif
 /* Each thread streams its columns' weights in order; the hardware prefetcher alone left them
  * at 16 GB/s of the 25 a plain read gets on an Intel Xeon (model 207, 2 cores): asking for the
  * line 4 KiB ahead made SmolLM2's 121 one-row products 15-17 -> 11-13 ms. */
@@ -31,7 +38,7 @@ void columns(const v16 *xs, const uint16_t *w, const uint16_t *bias, uint16_t *y
              const int M, const int C, int N, int K, int n) {
     const int n16 = K / 16;
     const uint16_t *rows = w + (int64_t)n * K;
-    v16 acc[MAX_ROWS * COLUMNS];
+    v16 acc[MAX_ROWS * 4];
     for (int a = 0; a < M * C; a++) acc[a] = (v16){0};
     for (int i = 0; i < n16; i++) {
         for (int c = 0; c < C; c++) {
@@ -47,11 +54,13 @@ void columns(const v16 *xs, const uint16_t *w, const uint16_t *bias, uint16_t *y
     }
 }
 
-/* Groups of COLUMNS columns split among the threads; the last N % COLUMNS one at a time. */
-#define GEMV(M_CONST)                                                                    \
+/* Groups of COLUMNS(M) columns split among the threads; the last N % COLUMNS(M) one at a time. */
+#define GEMV(M_CONST) {                                                                  \
+    const int C = COLUMNS(M_CONST);                                                      \
     _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                \
-    for (int g = 0; g < N / COLUMNS; g++) columns(xs, w, bias, y, M_CONST, COLUMNS, N, K, g * COLUMNS); \
-    for (int n = N / COLUMNS * COLUMNS; n < N; n++) columns(xs, w, bias, y, M_CONST, 1, N, K, n);
+    for (int g = 0; g < N / C; g++) columns(xs, w, bias, y, M_CONST, C, N, K, g * C);    \
+    for (int n = N / C * C; n < N; n++) columns(xs, w, bias, y, M_CONST, 1, N, K, n);    \
+}
 
 /* K must be a multiple of 16 and 1 <= M <= MAX_ROWS: the wrapper checks both. */
 void gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,

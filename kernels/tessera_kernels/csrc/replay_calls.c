@@ -3,12 +3,16 @@
  * Every kernel here takes pointers, 64- and 32-bit integers and floats. On x86-64 (System V)
  * the integer-class arguments go, in order, to six registers and then to 8-byte stack slots,
  * and the float arguments, in order, to xmm0..xmm7, whatever their positions among the
- * others. So one prototype with MAX_INTS integers and MAX_FLOATS floats calls any of them: the
+ * others. So one prototype (for functions that are not variadic) with MAX_INTS integers and MAX_FLOATS floats calls any of them: the
  * callee reads the ones it declares (32-bit integers from the low half of their slot) and the
  * caller pops the rest. replay.py only builds a plan on x86-64 Linux and for functions whose
  * ctypes argtypes are all of those kinds; everywhere else it replays from Python.
  */
 #include <stdint.h>
+
+#if !defined(__x86_64__) || defined(__ILP32__)
+#error "one prototype for every kernel holds for x86-64 System V (LP64) only"
+#endif
 
 #define MAX_INTS 20
 #define MAX_FLOATS 8
