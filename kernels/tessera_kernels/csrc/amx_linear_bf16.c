@@ -133,8 +133,8 @@ int amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, cons
     const int64_t xs = x_stride * (int64_t)sizeof(uint16_t);
     /* Each thread takes a contiguous share of the 32-column blocks, in groups of about
      * GROUP_BYTES of W: rows 0-31 over the group's blocks stream W from memory, rows 32-63
-     * then find it in L2 (and their x in L1, where it fits: K up to ~700). One W tile feeding four row blocks at once
-     * instead reads x twice as often from L2: SmolLM2's 121 linears at 64 rows, weights from
+     * then find it in L2 (and their x in L1, where it fits: K up to ~700). One W tile
+     * feeding four row blocks at once instead reads x twice as often from L2: SmolLM2's 121 linears at 64 rows, weights from
      * memory, 27.5-28.1 -> 21.5-23.6 ms (oneDNN 23-24); in the engine's replayed batch-64
      * step 19.0-20.1 -> 17.5-18.4 ms (Intel Xeon with AMX, model 167, 2 cores). */
     const int group = KB == 0 || KB * 2048 >= GROUP_BYTES ? 1 : GROUP_BYTES / (KB * 2048);

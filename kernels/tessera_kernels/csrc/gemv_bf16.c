@@ -38,7 +38,7 @@ void columns(const v16 *xs, const uint16_t *w, const uint16_t *bias, uint16_t *y
              const int M, const int C, int N, int K, int n) {
     const int n16 = K / 16;
     const uint16_t *rows = w + (int64_t)n * K;
-    v16 acc[MAX_ROWS * 4];
+    v16 acc[MAX_ROWS * 4];   /* 4: the most columns COLUMNS(M) gives */
     for (int a = 0; a < M * C; a++) acc[a] = (v16){0};
     for (int i = 0; i < n16; i++) {
         for (int c = 0; c < C; c++) {
