@@ -1,5 +1,5 @@
-"""bf16 linear on AMX tiles for decode batches of 5 to 64 rows (csrc/amx_linear_bf16.c), with
-its weight packed once into the tiles' layout. Where the CPU has no AMX or the C compiler
+"""bf16 linear on AMX tiles for 5 rows or more (decode batches and prompt chunks;
+csrc/amx_linear_bf16.c), with its weight packed once into the tiles' layout. Where the CPU has no AMX or the C compiler
 cannot target it, available() is False and callers keep oneDNN; TESSERA_DISABLE_AMX_LINEAR=1
 does the same on purpose (A/B measurements).
 
@@ -10,8 +10,12 @@ ours was faster in every pair). At 48 and 64 rows the two are about even (64 row
 ms against 23-24), and this kernel takes them anyway: a ctypes call can be recorded
 and replayed (decode_graph.py), oneDNN's cannot, and the replayed batch-64 step is 49-51 ms
 against 60-66 ms eager (model 167, 2026-11-27).
+Prompt chunks (65 rows and more) came here too once W's tiles were loaded with the streaming
+hint (model 207, 2026-11-27, `python bench/linears_streamed.py 128 512 2048`, oneDNN against
+this kernel): 128 rows 32.6 -> 29.3 ms, 512 rows 211 -> 178 ms, 2048 rows 583 -> 472 ms; and a
+prompt step made of these calls only can be recorded like a decode step.
 At 5 to 32 rows the results equal oneDNN's bit for bit (the same tile products in the same
-order); at 33 to 64 rows about one element in 10^4 differs in the last bit (as the register
+order); above 32 rows about one element in 10^4 differs in the last bit (as the register
 tiles' on AMD, tile_linear.py).
 """
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 
 from tessera_kernels import cbuild
 
-MIN_ROWS, MAX_ROWS = 5, 64   # below: the GEMV kernel (gemv_cpu); above: oneDNN (prompt chunks)
+MIN_ROWS = 5   # below: the GEMV kernel (gemv_cpu)
 
 
 @functools.cache
@@ -44,10 +48,10 @@ def available() -> bool:
 
 
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """bf16 on the CPU, MIN_ROWS..MAX_ROWS rows each contiguous and at least K apart (not an
+    """bf16 on the CPU, at least MIN_ROWS rows, each contiguous and at least K apart (not an
     expanded view), N and K multiples of 32, and the kernel built for AMX."""
     return (x.dtype == w.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2
-            and MIN_ROWS <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1 and x.stride(0) >= x.shape[1]
+            and MIN_ROWS <= x.shape[0] and x.stride(1) == 1 and x.stride(0) >= x.shape[1]
             and w.dim() == 2 and w.is_contiguous() and x.shape[1] == w.shape[1]
             and w.shape[0] % 32 == 0 and w.shape[1] % 32 == 0 and available())
 

@@ -1,4 +1,4 @@
-/* bf16 linear on AMX tiles for decode batches: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]),
+/* bf16 linear on AMX tiles for decode batches and prompt chunks: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]),
  * float32 accumulation, one rounding to bf16.
  *
  * A decode step at batch 64 reads every weight once and does 128 flops per weight element:
@@ -13,7 +13,7 @@
  * (W[n, k0 + 2r], W[n, k0 + 2r + 1]) for n = n0 + 16t .. n0 + 16t + 15 (AMX's VNNI layout):
  *   packed[((nb * KB + kb) * 2 + t) * 512 + r * 32 + 2 * j + p] = W[32 nb + 16 t + j][32 kb + 2 r + p]
  * Tiles: 0-3 accumulators, 4-5 16-row blocks of x, 6-7 W: each W tile step feeds 2 x 2
- * accumulators, 32 rows (wide); 33-64 rows take a second pass over W from L2 (see below).
+ * accumulators, 32 rows (wide); each further 32 rows take another pass over W from L2 (see below).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -76,7 +76,7 @@ static void store_block(const float *acc, const uint16_t *bias, uint16_t *y, int
 
 static inline void prefetch_step(const uint16_t *wk) {   /* the 2 KiB of W PREFETCH_STEPS k-steps ahead */
     const char *ahead = (const char *)(wk + PREFETCH_STEPS * 1024);
-    for (int line = 0; line < 2048; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    for (int line = 0; line < 2048; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T1);
 }
 
 static inline void zero_accumulators(void) {
@@ -92,8 +92,8 @@ static void wide(const uint16_t *const *xb, int64_t xs, int blocks, const uint16
     for (int kb = 0; kb < KB; kb++) {
         const uint16_t *wk = wb + (int64_t)kb * 1024;
         prefetch_step(wk);
-        _tile_loadd(6, wk, 64);
-        _tile_loadd(7, wk + 512, 64);
+        _tile_stream_loadd(6, wk, 64);
+        _tile_stream_loadd(7, wk + 512, 64);
         _tile_loadd(4, xb[0] + kb * 32, xs);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
@@ -109,49 +109,51 @@ static void wide(const uint16_t *const *xb, int64_t xs, int blocks, const uint16
     _tile_stored(3, acc + 16 * 32 + 16, 128);
 }
 
-/* x: [M, K] bf16, rows x_stride elements apart, 1 <= M <= 64; w: packed as above; bias [N]
- * bf16 or NULL; y: [M, N] bf16 contiguous. N and K multiples of 32, x_stride >= K. Returns
- * 0, or -1 for an M or stride out of range or no memory. */
+/* x: [M, K] bf16, rows x_stride elements apart, M >= 1; w: packed as above; bias [N] bf16 or
+ * NULL; y: [M, N] bf16 contiguous. N and K multiples of 32, x_stride >= K. Returns 0, or -1
+ * for an M or stride out of range or no memory. */
 int amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                     int M, int N, int K, int threads) {
-    if (M < 1 || M > 64 || x_stride < K) return -1;
+    if (M < 1 || x_stride < K) return -1;
     const int KB = K / 32, NB = N / 32, blocks = (M + 15) / 16, tail = M % 16;
-    /* Row block b of x, 16 rows x_stride apart; a last block of fewer rows comes from a
+    /* Row block b of x is 16 rows x_stride apart; a last block of fewer rows comes from a
      * zero-padded copy (its extra rows are computed and dropped). */
-    const uint16_t *xb[4];
+    const uint16_t *last = x + (int64_t)(blocks - 1) * 16 * x_stride;
     uint16_t *pad = NULL;
-    for (int b = 0; b < blocks; b++) xb[b] = x + (int64_t)b * 16 * x_stride;
     if (tail) {
         const size_t bytes = ((size_t)16 * x_stride * sizeof(uint16_t) + 127) / 64 * 64;   /* a multiple of 64 */
         pad = aligned_alloc(64, bytes);
         if (!pad) return -1;
         memset(pad, 0, (size_t)16 * x_stride * sizeof(uint16_t));
-        memcpy(pad, xb[blocks - 1], ((size_t)(tail - 1) * x_stride + K) * sizeof(uint16_t));
-        xb[blocks - 1] = pad;
+        memcpy(pad, last, ((size_t)(tail - 1) * x_stride + K) * sizeof(uint16_t));
+        last = pad;
     }
-    for (int b = blocks; b < 4; b++) xb[b] = xb[0];   /* never stored */
     const int64_t xs = x_stride * (int64_t)sizeof(uint16_t);
     /* Each thread takes a contiguous share of the 32-column blocks, in groups of about
-     * GROUP_BYTES of W: rows 0-31 over the group's blocks stream W from memory, rows 32-63
-     * then find it in L2 (and their x in L1, where it fits: K up to ~700). One W tile
+     * GROUP_BYTES of W: rows 0-31 over the group's blocks stream W from memory, each later
+     * 32 rows then find it in L2 (and their x in L1, where it fits: K up to ~700). One W tile
      * feeding four row blocks at once instead reads x twice as often from L2: SmolLM2's 121 linears at 64 rows, weights from
      * memory, 27.5-28.1 -> 21.5-23.6 ms (oneDNN 23-24); in the engine's replayed batch-64
-     * step 19.0-20.1 -> 17.5-18.4 ms (Intel Xeon with AMX, model 167, 2 cores). */
+     * step 19.0-20.1 -> 17.5-18.4 ms (Intel Xeon with AMX, model 167, 2 cores).
+     * W's tiles are loaded with the streaming hint and prefetched into L2 only: W is used
+     * again from L2 (by the next 32 rows), x from L1, and a W tile kept in L1 pushes x out.
+     * Hot, one thread, 128 rows (model 207): K 576 1.0-1.1 -> 1.3-1.8 TFLOP/s. */
     const int group = KB == 0 || KB * 2048 >= GROUP_BYTES ? 1 : GROUP_BYTES / (KB * 2048);
     #pragma omp parallel num_threads(threads)
     {
         float acc[32 * 32] __attribute__((aligned(64)));
         const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
-        const int first = (int)((int64_t)NB * tid / nt), last = (int)((int64_t)NB * (tid + 1) / nt);
+        const int first = (int)((int64_t)NB * tid / nt), end = (int)((int64_t)NB * (tid + 1) / nt);
         configure();
-        for (int g0 = first; g0 < last; g0 += group) {
-            const int g1 = g0 + group < last ? g0 + group : last;
-            for (int half = 0; 2 * half < blocks; half++) {
-                const int hb = blocks - 2 * half < 2 ? blocks - 2 * half : 2;
-                const int rows = M - 32 * half < 32 ? M - 32 * half : 32;
+        for (int g0 = first; g0 < end; g0 += group) {
+            const int g1 = g0 + group < end ? g0 + group : end;
+            for (int b = 0; b < blocks; b += 2) {
+                const int pair = blocks - b < 2 ? 1 : 2, rows = M - 16 * b < 32 ? M - 16 * b : 32;
+                const uint16_t *xb[2] = { b == blocks - 1 ? last : x + (int64_t)b * 16 * x_stride,
+                                          pair < 2 ? x : b + 1 == blocks - 1 ? last : x + (int64_t)(b + 1) * 16 * x_stride };
                 for (int nb = g0; nb < g1; nb++) {
-                    wide(xb + 2 * half, xs, hb, w + (int64_t)nb * KB * 1024, KB, acc);
-                    store_block(acc, bias ? bias + nb * 32 : NULL, y + (int64_t)32 * half * N + nb * 32, N, rows);
+                    wide(xb, xs, pair, w + (int64_t)nb * KB * 1024, KB, acc);
+                    store_block(acc, bias ? bias + nb * 32 : NULL, y + (int64_t)16 * b * N + nb * 32, N, rows);
                 }
             }
         }

@@ -3,11 +3,11 @@
 - A bf16 product of one to four rows (decode at a small batch, where each weight is read
   once per token) goes to the kernel that streams the weights at the memory's speed
   (tessera_kernels.gemv_cpu). It may differ from torch in the last bit (summation order).
-- A bf16 product of 5 to 64 rows, where the CPU has AMX, goes to the AMX tile kernel
-  (tessera_kernels.amx_linear), which streams the weights faster than oneDNN up to 32 rows
-  (its results equal oneDNN's bit for bit there) and as fast at 33-64 rows, where unlike
-  oneDNN's its calls can be replayed (decode_graph.py); there one element in 10^4 differs in
-  the last bit.
+- A bf16 product of 5 rows or more, where the CPU has AMX, goes to the AMX tile kernel
+  (tessera_kernels.amx_linear): faster than oneDNN up to 32 rows (where its results equal
+  oneDNN's bit for bit), about as fast at 33-64 and 10-20 % faster for prompt chunks of
+  128-2048 rows; unlike oneDNN's, its calls can be replayed (decode_graph.py). Above 32 rows
+  one element in 10^4 differs in the last bit.
 - A bf16 product of 5 or more rows where the CPU has AVX512-BF16 and no AMX (AMD Zen 4 and
   Zen 5; Intel without AMX, where the same tiles run as float32 FMAs), and a float32 product
   of any size where it has AVX2 and FMA, go to the register-tile
@@ -15,7 +15,7 @@
   (Zen 4, SmolLM2's 121 linears: bf16 at 64 rows 49-55 -> 42-44 ms, float32 at one row
   22-23 -> 11-16.5 ms). Their results differ from oneDNN's in the last bit in about one
   element in 10^4. Either packed kernel's copy of the weight is made on first use.
-- Any other product (bf16 at 65+ rows on AMX, float32 where the register tiles are not built,
+- Any other product (float32 where the register tiles are not built,
   shapes they do not take) goes to oneDNN with the weight reordered once into its blocked layout
   (the reorder inductor's weight freezing does), instead of torch's F.linear, which repacks
   the weight on every call. Measured on AMD EPYC Zen 5 (2 cores), SmolLM2's shapes: bf16 at
