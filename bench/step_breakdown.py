@@ -1,6 +1,6 @@
 """Where a decode step's time goes, at a batch size: the engine's pieces wrapped in wall-clock
 timers (on the CPU nothing runs asynchronously, so a timer around a call is its cost). The
-timers need the eager step (--enforce-eager); the replayed step (decode_graph.py) is timed
+timers need the eager step (--enforce-eager); the replayed step (step_graph.py) is timed
 after it, on another engine, as a whole.
     .venv/bin/python bench/step_breakdown.py 64 [float32]   # bfloat16 unless given; 2 threads, context ~190
 """
@@ -43,4 +43,4 @@ for k, v in acc.most_common():
     print(f"  {k}: {v/n*1e3:.1f} ms ({v/n/total:.0%})")
 rest = total - sum(v for k, v in acc.items() if not k.startswith(" ")) / n
 print(f"  rest (norms, RoPE, residuals, SwiGLU activation, scheduler, detokenizer, Python): {rest*1e3:.1f} ms ({rest/total:.0%})")
-print(f"replayed (decode_graph.py): decode step {step_ms(False)*1e3:.1f} ms")
+print(f"replayed (step_graph.py): decode step {step_ms(False)*1e3:.1f} ms")

@@ -352,12 +352,14 @@ def test_equal_length_fresh_prompts_share_one_sdpa_call_with_the_same_bits(dtype
         assert torch.equal(out[s:s + n], one)
 
 
-def test_only_bf16_prompts_go_to_sdpa_and_only_where_the_cpu_has_amx():
-    from tessera.layers.attention import prompts_by_sdpa
+def test_only_bf16_prompts_of_large_steps_go_to_sdpa_and_only_where_the_cpu_has_amx():
+    from tessera.layers.attention import PROMPTS_ON_KERNEL_UP_TO, prompts_by_sdpa
     from tessera_kernels import cbuild
     amx = "amx_bf16" in cbuild.cpu_flags()
-    assert prompts_by_sdpa(torch.zeros(1, 1, 64, dtype=torch.bfloat16)) == amx
-    assert not prompts_by_sdpa(torch.zeros(1, 1, 64))
+    large = PROMPTS_ON_KERNEL_UP_TO + 1
+    assert prompts_by_sdpa(torch.zeros(large, 1, 64, dtype=torch.bfloat16)) == amx
+    assert not prompts_by_sdpa(torch.zeros(PROMPTS_ON_KERNEL_UP_TO, 1, 64, dtype=torch.bfloat16))   # replayable steps
+    assert not prompts_by_sdpa(torch.zeros(large, 1, 64))
 
 
 @pytest.mark.skipif(not amx_linear.available(), reason="this CPU has no AMX (amx_bf16): the AMX linear is not built")

@@ -8,7 +8,7 @@ streamed from memory, oneDNN's blocked weights against these): 8 rows 14-25 -> 1
 16 rows 14-26 -> 12-15 ms, 32 rows 16-32 -> 11-22 ms (the machine drifts within minutes;
 ours was faster in every pair). At 48 and 64 rows the two are about even (64 rows: 21.5-23.6
 ms against 23-24), and this kernel takes them anyway: a ctypes call can be recorded
-and replayed (decode_graph.py), oneDNN's cannot, and the replayed batch-64 step is 49-51 ms
+and replayed (step_graph.py), oneDNN's cannot, and the replayed batch-64 step is 49-51 ms
 against 60-66 ms eager (model 167, 2026-11-27).
 Prompt chunks (65 rows and more) came here too once W's tiles were loaded with the streaming
 hint (model 207, 2026-11-27, `python bench/linears_streamed.py 128 512 2048`, oneDNN against

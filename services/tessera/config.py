@@ -176,7 +176,7 @@ class EngineConfig:
     num_threads: int | None = field(default=None, metadata={
         "flag": "--threads", "help": "torch CPU threads (default: torch's choice)"})
     enforce_eager: bool = field(default=False, metadata={
-        "help": "run every step through Python: no replayed decode steps (decode_graph.py)"})
+        "help": "run every step through Python: no replayed decode steps (step_graph.py)"})
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

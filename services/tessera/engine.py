@@ -98,8 +98,9 @@ class Engine:
         self._reset_prefix_cache = False
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = make_runner(model, num_blocks, cache.block_size)
-        if not config.enforce_eager and getattr(self.runner, "decode_graphs_apply", False):
-            self.runner.replay_decode_steps(-(-self.max_model_len // cache.block_size), config.scheduler.max_num_seqs)
+        if not config.enforce_eager and getattr(self.runner, "step_graphs_apply", False):
+            self.runner.replay_steps(-(-self.max_model_len // cache.block_size),
+                                    config.scheduler.max_num_batched_tokens)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
             {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         self._detok: dict[str, IncrementalDetokenizer] = {}

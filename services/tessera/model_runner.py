@@ -5,7 +5,7 @@ import torch
 
 from tessera import huge_pages
 from tessera.batch import build_forward_batch
-from tessera.decode_graph import DecodeGraphs
+from tessera.step_graph import StepGraphs
 from tessera.models.driver import forward
 from tessera.models.llama import CausalLM
 from tessera.models.model_config import ModelConfig
@@ -31,10 +31,10 @@ def allocate_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch
 
 class ModelRunner:
     compute_s = 0.0   # a pipeline's first stage (PipelineRunner) counts the seconds in its layers here
-    graphs: DecodeGraphs | None = None
+    graphs: StepGraphs | None = None
     # Whether decode graphs may stand in for driver.forward in execute: no in a subclass with
     # an execute of its own (AFD, pipeline stages).
-    decode_graphs_apply = True
+    step_graphs_apply = True
 
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, layers: range | None = None) -> None:
         """layers: the decoder layers this process holds KV for (default: all)."""
@@ -52,10 +52,10 @@ class ModelRunner:
             hidden = forward(self.model, batch, self.kv_caches)
         return self.model.compute_logits(hidden)
 
-    def replay_decode_steps(self, max_blocks: int, max_num_seqs: int) -> None:
-        """Replay the kernel calls of decode steps of requests of at most max_blocks KV blocks
-        each (decode_graph.py)."""
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, max_blocks, max_num_seqs)
+    def replay_steps(self, max_blocks: int, max_step_tokens: int) -> None:
+        """Replay the kernel calls of steps of up to max_step_tokens tokens, of requests of at
+        most max_blocks KV blocks each (step_graph.py)."""
+        self.graphs = StepGraphs(self.model, self.kv_caches, max_blocks, max_step_tokens)
 
     @torch.inference_mode()
     def keep_path(self, block_table: tuple[int, ...], start_pos: int, nodes: list[int]) -> None:

@@ -37,7 +37,7 @@ class _InFlight:
     selected: list[torch.Tensor | None]  # per expert node: token rows sent (None: all, dense)
 
 class AttentionRunner(ModelRunner):
-    decode_graphs_apply = False   # execute is its own: FFNs on the expert nodes
+    step_graphs_apply = False   # execute is its own: FFNs on the expert nodes
 
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, transport: Transport,
                  expert_nodes: list[str], micro_batches: int = 1, timeout_s: float = 30.0,

@@ -8,10 +8,11 @@ prompt chunks of 128 to 2048 tokens it was 1.4-2.4x faster than torch's SDPA on 
 (2 threads, SmolLM2's heads); with the tiles, on Zen 4, 16 prompts of 128 tokens over 30
 layers take 63 ms against SDPA's 173, one of 2000 tokens 545 against 1154 (float32: 810
 against 1170). Where the CPU has AMX, bf16 prompt chunks that start at position 0 go to SDPA
-instead (prompts_by_sdpa), whose flash attention runs its products on AMX: 16 prompts of 128
-tokens, 30 layers, 52 ms against the kernel's 134 ms (Intel Xeon, 2 threads); decode rows stay
-on the kernel, and so does a step with a chunk after cached tokens (SDPA would gather its
-context).
+instead in steps of more than PROMPTS_ON_KERNEL_UP_TO tokens (prompts_by_sdpa), whose flash
+attention runs its products on AMX: 16 prompts of 128 tokens, 30 layers, 52 ms against the
+kernel's 134 ms before its prompt tiles (Intel Xeon, 2 threads; 88 against 101 ms with them,
+model 207); decode rows stay on the kernel, and so does a step with a chunk after cached
+tokens (SDPA would gather its context).
 Without the kernel, decode tokens attend as one batch whose blocks are gathered whole (one
 index_select per layer, already [kv_heads, B, L, D] in this layout), query heads sharing a
 KV head grouped so GQA needs no copy of K/V; each prefill chunk attends causally through
@@ -35,6 +36,13 @@ import torch.nn.functional as F
 
 from tessera.batch import ForwardBatch
 from tessera_kernels import cbuild, paged_attention_cpu
+
+# A step of at most this many tokens keeps its prompt chunks on the kernel even where SDPA
+# takes them (AMX): the kernel is as fast for short prompts (one 128-token prompt, 30 layers:
+# 8.5 against 9.5 ms; 512 tokens 88 against 45, 2048 1196 against 378; Intel Xeon with AMX,
+# model 207, 2 threads), and a step whose every call is a C kernel's can be recorded and
+# replayed (step_graph.py: steps of up to this many tokens).
+PROMPTS_ON_KERNEL_UP_TO = 256
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -118,10 +126,11 @@ def _kernel_applies(q: torch.Tensor) -> bool:
 
 
 def prompts_by_sdpa(q: torch.Tensor) -> bool:
-    """Whether prompt chunks attend through SDPA although the kernel applies: bf16 where the
-    CPU has AMX (see the module docstring for the measurement, made before the kernel's
-    prompt tiles; TESSERA_PROMPTS_BY_KERNEL=1 keeps them on the kernel there, for the A/B)."""
-    return q.dtype == torch.bfloat16 and _amx_prompts_by_sdpa()
+    """Whether a step's prompt chunks (q: all of its tokens) attend through SDPA although the
+    kernel applies: bf16 where the CPU has AMX, in steps of more than PROMPTS_ON_KERNEL_UP_TO
+    tokens (see the module docstring; TESSERA_PROMPTS_BY_KERNEL=1 keeps them all on the
+    kernel there, for the A/B)."""
+    return q.dtype == torch.bfloat16 and q.shape[0] > PROMPTS_ON_KERNEL_UP_TO and _amx_prompts_by_sdpa()
 
 
 @functools.cache   # read once per process: every layer of every step asks

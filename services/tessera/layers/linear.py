@@ -6,7 +6,7 @@
 - A bf16 product of 5 rows or more, where the CPU has AMX, goes to the AMX tile kernel
   (tessera_kernels.amx_linear): faster than oneDNN up to 32 rows (where its results equal
   oneDNN's bit for bit), about as fast at 33-64 and 10-20 % faster for prompt chunks of
-  128-2048 rows; unlike oneDNN's, its calls can be replayed (decode_graph.py). Above 32 rows
+  128-2048 rows; unlike oneDNN's, its calls can be replayed (step_graph.py). Above 32 rows
   one element in 10^4 differs in the last bit.
 - A bf16 product of 5 or more rows where the CPU has AVX512-BF16 and no AMX (AMD Zen 4 and
   Zen 5; Intel without AMX, where the same tiles run as float32 FMAs), and a float32 product

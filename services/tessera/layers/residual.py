@@ -1,5 +1,5 @@
 """The residual connection x + y of a decoder layer: one C pass on the CPU (the same bits as
-torch's add), so that a replayed decode step (decode_graph.py) makes it too; torch's add
+torch's add), so that a replayed decode step (step_graph.py) makes it too; torch's add
 elsewhere."""
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ def layer_steps(model: CausalLM, x: torch.Tensor, batch: ForwardBatch, kv_caches
     """Run `layers` on hidden states x [T, H]: yields (layer, ffn_in) at each FFN, expects that
     FFN's compute output to be sent back, and returns the hidden states after the last layer.
     positions default to batch.positions; masks: see layers/attention.paged_attention; rope:
-    the positions' (cos, sin) when the caller has them already (decode_graph.py)."""
+    the positions' (cos, sin) when the caller has them already (step_graph.py)."""
     if rope is None:
         rope = model.rope(batch.positions if positions is None else positions, x.dtype)
     for l in layers:

@@ -32,7 +32,7 @@ from tessera.transport.base import COMBINE, DISPATCH, Tag, Transport, TransportE
 
 
 class PipelineRunner(ModelRunner):
-    decode_graphs_apply = False   # execute is its own: stages, micro-batches
+    step_graphs_apply = False   # execute is its own: stages, micro-batches
 
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, layers: range,
                  transport: Transport | None = None, stages: list[str] = (), micro_batches: int | None = None,

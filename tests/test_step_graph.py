@@ -1,4 +1,4 @@
-"""Replayed decode steps (tessera_kernels.replay, tessera.decode_graph) against the eager engine."""
+"""Replayed decode steps (tessera_kernels.replay, tessera.step_graph) against the eager engine."""
 from __future__ import annotations
 
 import ctypes
@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from tessera import decode_graph
+from tessera import step_graph
 from tessera.config import CacheConfig, EngineConfig, SamplingParams
 from tessera.engine import Engine
 from tessera.layers import linear, quant
@@ -90,8 +90,8 @@ def test_replayed_steps_give_the_eager_engines_tokens(dtype, quantization):
     in float32 each int4 linear converts its input to bf16 (a torch op): no graphs."""
     engine = Engine(EngineConfig(dtype=dtype, quantization=quantization, num_threads=2, cache=_NO_PREFIX_CACHE))
     graphs = engine.runner.graphs
-    assert graphs is not None and graphs.max_batch == min(decode_graph.MAX_BATCH, engine.config.scheduler.max_num_seqs)
-    graphs.max_batch = 5
+    assert graphs is not None and graphs.max_tokens == min(step_graph.MAX_TOKENS, engine.config.scheduler.max_num_batched_tokens)
+    graphs.max_tokens = 5
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (37, 5, 130, 64, 16)]
     cases = [([prompts[0]], [24]), (prompts, [30, 12, 20, 16, 24]), ([prompts[1]] * 6, [4] * 6)]
@@ -104,6 +104,47 @@ def test_replayed_steps_give_the_eager_engines_tokens(dtype, quantization):
     assert 6 not in graphs.refusals and not graphs.dropped and (graphs.replayed_steps > 30 or 1 not in expected)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prompt_steps_are_recorded_and_replayed_like_decode_steps(dtype):
+    """A prompt alone in its step is T rows like T decode tokens: prompts of 37 tokens, one after
+    another, are recorded (after a first try that packs the weights and one that grows the
+    pool), checked and then replayed, with the eager engine's tokens; so is a step where a
+    prompt joins a running request (one decode row and 20 prompt rows)."""
+    engine = Engine(EngineConfig(dtype=dtype, num_threads=2, cache=_NO_PREFIX_CACHE))
+    graphs = engine.runner.graphs
+    if _recordable_sizes(engine, (1, 21, 37)) != {1, 21, 37}:
+        pytest.skip("a linear of these sizes is not a C kernel on this CPU")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(100, 40000, (37,), generator=g).tolist() for _ in range(5)]
+    for p in prompts[:4]:
+        assert _generate(engine, False, [p], [3]) == _generate(engine, True, [p], [3])
+    assert graphs.graphs[37].verified and not graphs.dropped
+    before = graphs.replayed_steps
+    assert _generate(engine, False, [prompts[4]], [3]) == _generate(engine, True, [prompts[4]], [3])
+    assert graphs.replayed_steps == before + 3          # the prompt's step and two decode steps
+
+    def joined(eager: bool) -> list[list[int]]:
+        kept = graphs
+        engine.runner.graphs = None if eager else kept
+        try:
+            sampling = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+            first = engine.add_request(prompts[0][:9], sampling)
+            out = {first: []}
+            for step in range(8):
+                if step == 2:
+                    out[engine.add_request(prompts[1][:20], sampling)] = []
+                for o in engine.step():
+                    out[o.request_id].extend(o.new_token_ids)
+            while engine.has_unfinished:
+                for o in engine.step():
+                    out[o.request_id].extend(o.new_token_ids)
+            return list(out.values())
+        finally:
+            engine.runner.graphs = kept
+    assert joined(False) == joined(False) == joined(False) == joined(True)
+    assert graphs.graphs[21].verified and not graphs.dropped
+
+
 def test_a_batch_size_is_recorded_again_after_the_pool_grows():
     """Sizes 1, 2, 1, 3, 1: each larger size grows the pool and drops the graphs made from the
     old one; size 1 is recorded again each time and serves in the end."""
@@ -113,7 +154,9 @@ def test_a_batch_size_is_recorded_again_after_the_pool_grows():
         pytest.skip("a linear of these sizes is not a C kernel on this CPU")
     for n in (1, 2, 1, 3, 1):
         _generate(engine, False, [[100 + i, 7, 8, 9] for i in range(n)], [6] * n)
-    assert 1 in graphs.graphs and graphs.graphs[1].verified and not graphs.refusals and not graphs.dropped
+    assert 1 in graphs.graphs and graphs.graphs[1].verified and not graphs.dropped
+    # a size refused once: its first step packed a weight for the AMX or register tiles
+    assert all(n == 1 for n in graphs.refusals.values())
     assert graphs.pool.buffer.numel() >= graphs.pool.used > 0
 
 
@@ -123,8 +166,12 @@ def test_a_step_with_torch_ops_is_not_recorded_and_stays_exact(tiny_models):
     prompts, lens = [[5, 6, 7, 8], [9, 10, 11]], [10, 6]
     assert _generate(engine, False, prompts, lens) == _generate(engine, True, prompts, lens)
     graphs = engine.runner.graphs
-    assert not graphs.graphs and graphs.replayed_steps == 0 and graphs.refusals == {2: 2, 1: 2}
+    assert not graphs.graphs and graphs.replayed_steps == 0 and graphs.refusals == {7: 1, 2: 2, 1: 2}
     assert not graphs.dropped          # refused while recording, not dropped after a failed check
+    # a fourth size refused (a prompt of 3 tokens), none kept: no step of this model is recorded again
+    _generate(engine, False, [[5, 6, 7]], [2])
+    _generate(engine, False, [[5, 6, 7, 8, 9]], [2])
+    assert graphs.refusals == {7: 1, 3: 1, 2: 2, 1: 2} and len(graphs.refusals) == step_graph.REFUSED_SIZES
 
 
 def test_a_replay_that_differs_from_the_eager_step_is_dropped_and_its_kv_overwritten(monkeypatch, caplog):
@@ -133,16 +180,16 @@ def test_a_replay_that_differs_from_the_eager_step_is_dropped_and_its_kv_overwri
     engine = Engine(EngineConfig(dtype="float32", num_threads=2, cache=_NO_PREFIX_CACHE))
     if _recordable_sizes(engine, {1}) != {1}:
         pytest.skip("a float32 linear of one row is not a C kernel on this CPU")
-    real = decode_graph.DecodeGraph.replay
+    real = step_graph.StepGraph.replay
 
     def corrupted(self, model, batch, inputs):
         out = real(self, model, batch, inputs)
         for k, v in engine.runner.kv_caches:
             k[:, batch.slot_mapping] += 1.0
         return out + 1
-    monkeypatch.setattr(decode_graph.DecodeGraph, "replay", corrupted)
+    monkeypatch.setattr(step_graph.StepGraph, "replay", corrupted)
     prompt = list(range(200, 240))
-    with caplog.at_level(logging.WARNING, logger="tessera.decode_graph"):
+    with caplog.at_level(logging.WARNING, logger="tessera.step_graph"):
         got = _generate(engine, False, [prompt], [12])
     assert got == _generate(engine, True, [prompt], [12])
     graphs = engine.runner.graphs
@@ -173,7 +220,7 @@ def test_a_replay_that_fails_midway_is_dropped_and_the_step_run_eagerly(monkeypa
         return real(self)
     monkeypatch.setattr(replay.Recording, "replay", failing)
     prompt = list(range(300, 340))
-    with caplog.at_level(logging.WARNING, logger="tessera.decode_graph"):
+    with caplog.at_level(logging.WARNING, logger="tessera.step_graph"):
         got = _generate(engine, False, [prompt], [12])
     assert got == _generate(engine, True, [prompt], [12])
     assert len(replays) == 3 and not engine.runner.graphs.graphs and engine.runner.graphs.dropped == {1}

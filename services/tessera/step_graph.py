@@ -1,0 +1,194 @@
+"""Steps replayed without Python: the CPU's counterpart of vLLM's CUDA graphs (and, as there,
+`--enforce-eager` turns them off).
+
+A step whose every token attends as a causal row of the paged-attention kernel (decode tokens,
+and the tokens of prompt chunks in steps of at most MAX_TOKENS tokens; not a draft tree's)
+makes the same C kernel calls with the same shapes as any other step of as many tokens: the
+rows are the tokens, whichever requests they belong to, and what changes is the values in a
+few inputs: the hidden states out of the embedding, RoPE's cos and sin of the positions, the
+slots the new K/V go to, each row's block table and context length. Those inputs live in
+buffers of StepGraphs' own (Inputs); once per token count T a step runs through the layer
+driver while tessera_kernels.replay records its calls, and later steps of T tokens copy their
+inputs into the buffers and make the same calls again; the rows whose logits are sampled are
+picked afterwards. Measured on AMD EPYC Zen 4 (2 cores, SmolLM2-135M, bf16, batch 1): the
+step's Python, ~5.8 of ~14.5 ms, goes. A 128-token prompt alone (the TTFT of one request):
+see the README's fifth AMX session.
+
+Trust: a recording that met a torch op computing something (replay.Recording.refused: an MoE
+router, a dtype without C kernels, a linear on oneDNN) is not kept and, after a second try,
+that token count stays eager (and after refusals at REFUSED_SIZES counts with none kept, every
+count). A kept one is replayed once beside the eager step on the same inputs and must give the
+same bits before it serves, else it is dropped and a warning logged; so is one whose replay
+fails (a call returning other than it did when recorded). The graphs hold every buffer their
+calls point into, the weights' memory included: a weight edited in place or moved after they
+were recorded is not seen by them (the serving engine never does either; the tools that edit
+weights run their own runners).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from tessera.batch import ForwardBatch
+from tessera.layers.attention import PROMPTS_ON_KERNEL_UP_TO
+from tessera.models.driver import KVCaches, final_hidden, forward, run_layers
+from tessera.models.llama import CausalLM
+from tessera_kernels import replay
+
+log = logging.getLogger(__name__)
+
+# Graphs for steps of 1..MAX_TOKENS tokens (more run eagerly): attention keeps prompt chunks
+# on the paged kernel in such steps (torch's SDPA, which cannot be recorded, takes them in
+# larger ones on AMX). The memory of the largest graph's buffers grows with it: SmolLM2 in
+# bf16, ~0.55 MB a token.
+MAX_TOKENS = PROMPTS_ON_KERNEL_UP_TO
+_ATTEMPTS = 2        # refused recordings per token count before it stays eager (the first may meet
+                     # a weight packed on first use)
+REFUSED_SIZES = 4    # token counts refused with no graph kept: the model's steps cannot be recorded
+
+
+def all_causal_rows(batch: ForwardBatch) -> bool:
+    """Every token is a row of the paged kernel, attending causally (no draft tree)."""
+    return batch.causal_token_idx is not None and batch.causal_token_idx.numel() == batch.num_tokens
+
+
+class Inputs:
+    """What changes from one step to the next, in buffers for up to max_tokens tokens that
+    every graph's calls read: a graph of T tokens reads their first T rows."""
+
+    def __init__(self, model: CausalLM, max_tokens: int, max_blocks: int) -> None:
+        dtype, D = model.embed_tokens.weight.dtype, model.rope.cos.shape[-1]
+        self.x = torch.empty(max_tokens, model.config.hidden_size, dtype=dtype)
+        self.cos = torch.empty(max_tokens, 1, D, dtype=dtype)
+        self.sin = torch.empty(max_tokens, 1, D, dtype=dtype)
+        self.slots = torch.zeros(max_tokens, dtype=torch.long)
+        # a step's tables fill the first columns: the kernel reads only a row's first blocks
+        self.tables = torch.zeros(max_tokens, max_blocks, dtype=torch.long)
+        self.lens = torch.ones(max_tokens, dtype=torch.long)
+        self.rows = torch.arange(max_tokens)   # attention reads only how many there are: all of them attend causally
+
+    def load(self, model: CausalLM, batch: ForwardBatch) -> tuple[torch.Tensor, ForwardBatch, tuple]:
+        """The step's inputs into the first T rows: hidden states, the batch and (cos, sin) as
+        the calls see them. A row's table fills the first columns; the kernel reads no further
+        than its context."""
+        T = batch.num_tokens
+        x = self.x[:T]
+        x.copy_(model.embed_tokens(batch.input_ids))
+        cos, sin = model.rope(batch.positions, x.dtype)
+        self.cos[:T].copy_(cos)
+        self.sin[:T].copy_(sin)
+        self.slots[:T].copy_(batch.slot_mapping)
+        self.lens[:T].copy_(batch.causal_context_lens)
+        self.tables[:T, :batch.causal_block_tables.shape[1]] = batch.causal_block_tables
+        static = dataclasses.replace(batch, slot_mapping=self.slots[:T], causal_token_idx=self.rows[:T],
+                                     causal_block_tables=self.tables[:T], causal_context_lens=self.lens[:T])
+        return x, static, (self.cos[:T], self.sin[:T])
+
+
+class StepGraph:
+    """One token count's recorded step."""
+
+    def __init__(self) -> None:
+        self.recording: replay.Recording | None = None
+        self.out: torch.Tensor | None = None
+        self.verified = False
+
+    def capture(self, model: CausalLM, batch: ForwardBatch, kv_caches: KVCaches, inputs: Inputs,
+                pool: replay.Pool) -> torch.Tensor:
+        """Run the step's layers eagerly while recording them, their buffers from `pool`: the
+        hidden states after the last layer (valid whether or not the recording can be kept)."""
+        x, static, rope = inputs.load(model, batch)
+        with replay.record(pool) as rec:
+            out = run_layers(model, x, static, kv_caches, rope=rope)
+        if rec.refused is None and not rec.calls:
+            rec.refused = "no C kernel calls"
+        self.recording, self.out = rec, out
+        return out
+
+    def replay(self, model: CausalLM, batch: ForwardBatch, inputs: Inputs) -> torch.Tensor:
+        """The hidden states after the last layer, in the pool (overwritten by the next replay
+        or recording of any graph)."""
+        inputs.load(model, batch)
+        self.recording.replay()
+        return self.out
+
+
+class StepGraphs:
+    """The graphs of one model and KV cache, one per token count up to max_tokens, made on
+    first need; `forward` is driver.forward's contract. One graph runs at a time, so they share
+    their inputs (Inputs) and one pool for their intermediate buffers, as large as the largest
+    graph needs (SmolLM2 in bf16: ~0.55 MB a token, held besides the KV cache)."""
+
+    def __init__(self, model: CausalLM, kv_caches: KVCaches, max_blocks: int, max_step_tokens: int) -> None:
+        self.model, self.kv_caches, self.max_blocks = model, kv_caches, max_blocks
+        self.max_tokens = min(max_step_tokens, MAX_TOKENS)
+        self.inputs = Inputs(model, self.max_tokens, max_blocks)
+        self.pool = replay.Pool()
+        self.graphs: dict[int, StepGraph] = {}
+        self.refusals: dict[int, int] = {}       # recordings refused, per token count
+        self.dropped: set[int] = set()           # token counts whose graph failed its check or a replay
+        self.replayed_steps = 0
+        # by address: what the recorded calls point into besides the inputs and the pool
+        self._held: dict[int, torch.Tensor] = {}
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        T = batch.num_tokens
+        if (not all_causal_rows(batch) or T > self.max_tokens or batch.causal_block_tables.shape[1] > self.max_blocks
+                or self.refusals.get(T, 0) >= _ATTEMPTS or T in self.dropped
+                or (len(self.refusals) >= REFUSED_SIZES and not self.graphs)):
+            return forward(self.model, batch, self.kv_caches)
+        graph = self.graphs.get(T)
+        if graph is None:
+            return final_hidden(self.model, self._capture(T, batch), batch)
+        try:
+            replayed = final_hidden(self.model, graph.replay(self.model, batch, self.inputs), batch)
+        except RuntimeError as e:
+            self._drop(T, f"failed ({e})")
+            return forward(self.model, batch, self.kv_caches)     # writes this step's K/V again
+        if graph.verified:
+            self.replayed_steps += 1
+            return replayed
+        # The first replay is checked against the eager step, which runs after it so that its
+        # K/V writes are the ones that stay.
+        eager = forward(self.model, batch, self.kv_caches)
+        if torch.equal(eager, replayed):
+            graph.verified = True
+        else:
+            self._drop(T, "differs from the eager step")
+        return eager
+
+    def _capture(self, T: int, batch: ForwardBatch) -> torch.Tensor:
+        graph = StepGraph()
+        out = graph.capture(self.model, batch, self.kv_caches, self.inputs, self.pool)
+        refused = graph.recording.refused
+        if refused is not None:
+            self.refusals[T] = self.refusals.get(T, 0) + 1
+            log.info("step of %d tokens not recorded (%s): it runs eagerly", T, refused)
+        elif self.pool.overflowed:
+            # a larger pool for the next recordings; the graphs made from the old one are made
+            # again at their next step
+            self.pool.grow()
+            self.graphs.clear()
+        else:
+            self.graphs[T] = graph
+            self._held.update((t.untyped_storage().data_ptr(), t) for t in _weights(self.model))
+        return out
+
+    def _drop(self, T: int, why: str) -> None:
+        del self.graphs[T]
+        self.dropped.add(T)
+        log.warning("step graph of %d tokens %s: that token count runs eagerly", T, why)
+
+
+def _weights(model: CausalLM) -> list[torch.Tensor]:
+    """Every tensor the modules hold now (parameters, buffers, the kernels' packed copies made
+    on first use, quantized codes), as new references to their memory: a weight whose storage
+    is replaced later (huge_pages.move_weights) leaves the graphs reading the old copy, not
+    freed memory."""
+    held = list(model.parameters()) + list(model.buffers())
+    held += [t for m in model.modules() for t in vars(m).values() if isinstance(t, torch.Tensor)]
+    # oneDNN's blocked weights (no storage to key by) are never under a recorded call: a
+    # linear on oneDNN makes the recording refuse
+    return [t.detach() for t in held if t.layout == torch.strided]
