@@ -11,8 +11,10 @@ against 1170). Where the CPU has AMX, bf16 prompt chunks that start at position 
 instead in steps of more than PROMPTS_ON_KERNEL_UP_TO tokens (prompts_by_sdpa), whose flash
 attention runs its products on AMX: 16 prompts of 128 tokens, 30 layers, 52 ms against the
 kernel's 134 ms before its prompt tiles (Intel Xeon, 2 threads; 88 against 101 ms with them,
-model 207); decode rows stay on the kernel, and so does a step with a chunk after cached
-tokens (SDPA would gather its context).
+model 207); decode rows stay on the kernel. A chunk after cached tokens (a prefix hit, the
+next chunk of a long prompt) goes to SDPA there too, attending to its gathered context with an
+offset causal mask: a 6000-token prompt's three chunks took 12.6-13.7 s with such chunks on
+the kernel, 8.1-8.6 s so (model 207, 2 threads).
 Without the kernel, decode tokens attend as one batch whose blocks are gathered whole (one
 index_select per layer, already [kv_heads, B, L, D] in this layout), query heads sharing a
 KV head grouped so GQA needs no copy of K/V; each prefill chunk attends causally through
@@ -55,7 +57,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     paged_attention_cpu.kv_write(k, v, k_cache, v_cache, batch.slot_mapping)
     kernel = _kernel_applies(q)
     by_kernel = (kernel and masks is None and batch.causal_token_idx is not None
-                 and not (prompts_by_sdpa(q) and _fresh_prompts_only(batch)))
+                 and not (prompts_by_sdpa(q) and _has_prompt_chunks(batch)))
     rows = batch.causal_token_idx if by_kernel else batch.decode_token_idx
     out = torch.empty_like(q) if rows.numel() < q.shape[0] else None
     if rows.numel():
@@ -138,12 +140,10 @@ def _amx_prompts_by_sdpa() -> bool:
     return "amx_bf16" in cbuild.cpu_flags() and os.environ.get("TESSERA_PROMPTS_BY_KERNEL") != "1"
 
 
-def _fresh_prompts_only(batch: ForwardBatch) -> bool:
-    """The step has prompt chunks and every one starts at position 0: SDPA then attends to
-    the chunk's own K/V. A chunk after cached tokens (a prefix hit, a continued long prompt)
-    would make SDPA gather its context and take a mask; such steps stay on the kernel."""
-    chunks = [c for c in batch.prefills if c.in_causal_rows]
-    return bool(chunks) and all(c.context_slots is None for c in chunks)
+def _has_prompt_chunks(batch: ForwardBatch) -> bool:
+    """Whether the step has prompt chunks among its causal rows: where SDPA takes prompts, it
+    takes all of them, and the kernel the decode rows."""
+    return any(c.in_causal_rows for c in batch.prefills)
 
 
 def _decode_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
