@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 # Graphs for steps of 1..MAX_TOKENS tokens (more run eagerly): attention keeps prompt chunks
 # on the paged kernel in such steps (torch's SDPA, which cannot be recorded, takes them in
 # larger ones on AMX). The memory of the largest graph's buffers grows with it: SmolLM2 in
-# bf16, ~0.55 MB a token.
+# bf16, ~0.58 MB a token.
 MAX_TOKENS = PROMPTS_ON_KERNEL_UP_TO
 _ATTEMPTS = 2        # refused recordings per token count before it stays eager (the first may meet
                      # a weight packed on first use)
@@ -121,7 +121,7 @@ class StepGraphs:
     """The graphs of one model and KV cache, one per token count up to max_tokens, made on
     first need; `forward` is driver.forward's contract. One graph runs at a time, so they share
     their inputs (Inputs) and one pool for their intermediate buffers, as large as the largest
-    graph needs (SmolLM2 in bf16: ~0.55 MB a token, held besides the KV cache)."""
+    graph needs (SmolLM2 in bf16: ~0.58 MB a token, held besides the KV cache)."""
 
     def __init__(self, model: CausalLM, kv_caches: KVCaches, max_blocks: int, max_step_tokens: int) -> None:
         self.model, self.kv_caches, self.max_blocks = model, kv_caches, max_blocks
@@ -132,6 +132,7 @@ class StepGraphs:
         self.refusals: dict[int, int] = {}       # recordings refused, per token count
         self.dropped: set[int] = set()           # token counts whose graph failed its check or a replay
         self.replayed_steps = 0
+        self.kept_any = False                    # whether a recording was ever kept (the pool's growth drops them)
         # by address: what the recorded calls point into besides the inputs and the pool
         self._held: dict[int, torch.Tensor] = {}
 
@@ -139,7 +140,7 @@ class StepGraphs:
         T = batch.num_tokens
         if (not all_causal_rows(batch) or T > self.max_tokens or batch.causal_block_tables.shape[1] > self.max_blocks
                 or self.refusals.get(T, 0) >= _ATTEMPTS or T in self.dropped
-                or (len(self.refusals) >= REFUSED_SIZES and not self.graphs)):
+                or (len(self.refusals) >= REFUSED_SIZES and not self.kept_any)):
             return forward(self.model, batch, self.kv_caches)
         graph = self.graphs.get(T)
         if graph is None:
@@ -175,6 +176,7 @@ class StepGraphs:
             self.graphs.clear()
         else:
             self.graphs[T] = graph
+            self.kept_any = True
             self._held.update((t.untyped_storage().data_ptr(), t) for t in _weights(self.model))
         return out
 
