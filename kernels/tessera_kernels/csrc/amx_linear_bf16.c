@@ -109,6 +109,11 @@ static void wide(const uint16_t *const *xb, int64_t xs, int blocks, const uint16
     _tile_stored(3, acc + 16 * 32 + 16, 128);
 }
 
+/* Row block b of x: 16 rows from row 16 b, the last one (`last`) perhaps a zero-padded copy. */
+static inline const uint16_t *row_block(const uint16_t *x, int64_t x_stride, const uint16_t *last, int b, int blocks) {
+    return b == blocks - 1 ? last : x + (int64_t)b * 16 * x_stride;
+}
+
 /* x: [M, K] bf16, rows x_stride elements apart, M >= 1; w: packed as above; bias [N] bf16 or
  * NULL; y: [M, N] bf16 contiguous. N and K multiples of 32, x_stride >= K. Returns 0, or -1
  * for an M or stride out of range or no memory. */
@@ -149,8 +154,8 @@ int amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, cons
             const int g1 = g0 + group < end ? g0 + group : end;
             for (int b = 0; b < blocks; b += 2) {
                 const int pair = blocks - b < 2 ? 1 : 2, rows = M - 16 * b < 32 ? M - 16 * b : 32;
-                const uint16_t *xb[2] = { b == blocks - 1 ? last : x + (int64_t)b * 16 * x_stride,
-                                          pair < 2 ? x : b + 1 == blocks - 1 ? last : x + (int64_t)(b + 1) * 16 * x_stride };
+                const uint16_t *xb[2] = { row_block(x, x_stride, last, b, blocks),
+                                          pair == 2 ? row_block(x, x_stride, last, b + 1, blocks) : x /* unread */ };
                 for (int nb = g0; nb < g1; nb++) {
                     wide(xb, xs, pair, w + (int64_t)nb * KB * 1024, KB, acc);
                     store_block(acc, bias ? bias + nb * 32 : NULL, y + (int64_t)16 * b * N + nb * 32, N, rows);
