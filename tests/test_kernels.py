@@ -416,7 +416,7 @@ def test_linear_layer_takes_the_amx_path_for_mid_batches(monkeypatch):
 
 def _no_tile_linear(dtype):
     return pytest.mark.skipif(not tile_linear.available(dtype),
-                              reason=f"no register-tile linear for {dtype} here (bf16 needs AVX512-BF16 and no AMX)")
+                              reason=f"no register-tile linear for {dtype} here (bf16 needs AVX-512 and no AMX)")
 
 
 # ids: the AVX2 rebuild below selects the float32 ones with -k float32
@@ -439,6 +439,8 @@ def test_tile_linear_matches_its_reference_and_onednn(dtype, tiles, M, N, K, bia
     both of its tiles (vdpbf16ps and FMA), whichever this CPU would pick."""
     if dtype == torch.bfloat16 and M < tile_linear.BF16_MIN_ROWS:
         pytest.skip("the GEMV's rows")
+    if dtype == torch.bfloat16 and tiles not in tile_linear.built_tiles():
+        pytest.skip("no AVX512-BF16 here: the FMA tiles only")
     if dtype == torch.float32 and tiles != tile_linear.TILES[0]:
         pytest.skip("float32 has one tile")
     g = torch.Generator().manual_seed(M * N + K)
@@ -459,6 +461,27 @@ def test_tile_linear_matches_its_reference_and_onednn(dtype, tiles, M, N, K, bia
     # a bf16 step at most, or float32 summation noise where the sum nearly cancels
     one_step = torch.maximum(y.float().abs(), onednn.float().abs()) * 2.0 ** -7 + 1e-3
     assert ((y.float() - onednn.float()).abs() <= one_step).all()
+
+
+@pytest.mark.skipif(not tile_linear.available(torch.bfloat16), reason="no bf16 register-tile linear here")
+@pytest.mark.parametrize("tiles", tile_linear.TILES)
+def test_tile_linear_bf16_rounds_to_nearest_even_and_keeps_nan_and_infinities(tiles):
+    """Each output is x[r, 0] + x[r, 1] (W's two columns are 1), exact in float32, so the bf16
+    result must be that sum rounded to nearest, ties to even, as torch rounds it: halfway cases
+    both ways, a carry into the exponent, the largest finite value rounding to infinity, NaN
+    and infinities (on Cascade Lake this is the emulated rounding, elsewhere vcvtneps2bf16)."""
+    if tiles not in tile_linear.built_tiles():
+        pytest.skip("no AVX512-BF16 here: the FMA tiles only")
+    big = torch.finfo(torch.bfloat16).max
+    pairs = [(1.0, 2.0 ** -8), (1.0 + 2.0 ** -7, 2.0 ** -8), (-1.0, -(2.0 ** -8)), (1.0, 2.0 ** -9),
+             (2.0 - 2.0 ** -7, 2.0 ** -8), (big, big * 2.0 ** -8), (float("inf"), 1.0), (float("-inf"), 1.0),
+             (float("nan"), 1.0), (0.0, -0.0), (3.0, 2.0 ** -7)]
+    x = torch.tensor(pairs, dtype=torch.bfloat16)
+    w = torch.ones(16, 2, dtype=torch.bfloat16)
+    y = tile_linear.linear(x, tile_linear.pack(w), None, 16, tiles=tiles)
+    expected = (x[:, :1].float() + x[:, 1:].float()).bfloat16().expand(-1, 16)
+    assert torch.equal(y.isnan(), expected.isnan())
+    assert torch.equal(y[~y.isnan()], expected[~expected.isnan()])
 
 
 @_TILE_DTYPES

@@ -1,14 +1,15 @@
 """Linears by register tiles over a weight packed once into panels of output columns
 (csrc/tile_linear_bf16.c, csrc/tile_linear_f32.c), where oneDNN leaves the vector units idle:
 
-- bf16, 5 rows or more, on CPUs with AVX512-BF16 and no AMX (AMD Zen 4 and Zen 5): a decode
+- bf16, 5 rows or more, on CPUs with AVX-512 and no AMX (AMD Zen 4 and Zen 5): a decode
   step at batch 64 and every prompt chunk are bound by the bf16 dot products there, and
   oneDNN's matmul used 320 of the 450 GFLOP/s two Zen 4 cores give. SmolLM2's 121 linears,
   Zen 4: 64 rows 49-55 -> 42-44 ms, 8 rows 14-16 -> 8-9.4 ms, 2048 rows 1406 -> 1352 ms.
   Intel cores without AMX run vdpbf16ps at half their FMA rate (a Xeon model 207 with AMX
   hidden: one core peaks at 77-84 GFLOP/s of vdpbf16ps, 163-170 of FMAs), so there the same
   panels go through float32 FMAs instead (bf16_tiles() measures which of the two is faster,
-  once per process): 64 rows 116-120 (oneDNN) -> 67-70 ms, 8 rows 26 -> 14 ms.
+  once per process): 64 rows 116-120 (oneDNN) -> 67-70 ms, 8 rows 26 -> 14 ms. Cores without
+  AVX512-BF16 (Intel Cascade Lake) get the FMA tiles only, where oneDNN emulates bf16 products.
 - float32, any row count, on CPUs with AVX2 and FMA (float32 is --dtype auto where the CPU has
   no native bf16): 1 row 22-23 -> 11-16.5 ms, 64 rows 92-97 -> 83-85 ms (Zen 4; see the C source).
 
@@ -44,11 +45,11 @@ def _built(dtype: torch.dtype) -> tuple[ctypes.CDLL, int] | None:
     """The kernel for this dtype where this CPU has its vector units and it builds."""
     flags = cbuild.cpu_flags()
     if dtype == torch.bfloat16:
-        if "avx512_bf16" not in flags or "amx_bf16" in flags:
+        if "avx512f" not in flags or "amx_bf16" in flags:
             return None
         lib = cbuild.load("tile_linear_bf16")
-        if lib is None or lib.tile_linear_bf16_built() != 1:
-            return None
+        if lib is None or lib.tile_linear_bf16_built() != 1 + ("avx512_bf16" in flags):
+            return None   # a TESSERA_MARCH other than this CPU
         fn, lanes = lib.tile_linear_bf16, 16
     elif dtype == torch.float32:
         if not {"avx2", "fma"} <= flags:
@@ -87,6 +88,8 @@ def bf16_tiles() -> str:
 
 
 def _faster_tiles() -> str:
+    if built_tiles() == ("fma",):
+        return "fma"
     chosen = os.environ.get("TESSERA_BF16_TILES")
     if chosen in TILES:
         return chosen
@@ -101,6 +104,13 @@ def _faster_tiles() -> str:
             _linear(x, packed, None, 192, 1, tiles)
             best[tiles] = min(best[tiles], time.perf_counter() - t)
     return min(TILES, key=best.get)
+
+
+def built_tiles() -> tuple[str, ...]:
+    """The bf16 tiles this CPU runs: both where it has AVX512-BF16, else the FMA ones only."""
+    if _built(torch.bfloat16) is None:
+        return ()
+    return TILES if "avx512_bf16" in cbuild.cpu_flags() else ("fma",)
 
 
 def without_dot_bf16() -> tuple[str, ...]:

@@ -22,7 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 
 #define NV_MAX 3   /* 16-column blocks per panel */
@@ -34,16 +34,34 @@
 #define AHEAD_ELEMS 2048
 #define M_CHUNK 256 /* rows of x per pass over the panels (a chunk of x stays in L2) */
 
+#if defined(__AVX512BF16__)
+#define HAVE_DOT_BF16 1
+static inline __m256i to_bf16(__m512 f) { return (__m256i)_mm512_cvtneps_pbh(f); }
+#else
+/* Without AVX512-BF16 (Intel Cascade Lake), only the FMA tiles are built and each result is
+ * rounded as vcvtneps2bf16 rounds it: to the nearest bf16, ties to even (a NaN stays a NaN:
+ * its low bits carried into the exponent would make it infinite, so it is quieted instead). */
+#define HAVE_DOT_BF16 0
+static inline __m256i to_bf16(__m512 f) {
+    const __m512i bits = _mm512_castps_si512(f);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), bits, _mm512_set1_epi32(0x400000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+#endif
+
 /* The tile's accumulators (+ bias) rounded once to bf16 into y. */
 static inline __attribute__((always_inline)) void store_tile(__m512 acc[MR][NV_MAX], const float *bias, uint16_t *y,
                                                              int64_t ys, const int mr, const int nv) {
     for (int r = 0; r < mr; r++)
         for (int v = 0; v < nv; v++) {
             const __m512 out = bias ? _mm512_add_ps(acc[r][v], _mm512_loadu_ps(bias + 16 * v)) : acc[r][v];
-            _mm256_storeu_si256((__m256i *)(y + r * ys + 16 * v), (__m256i)_mm512_cvtneps_pbh(out));
+            _mm256_storeu_si256((__m256i *)(y + r * ys + 16 * v), to_bf16(out));
         }
 }
 
+#if HAVE_DOT_BF16
 static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_t xs, const uint16_t *wp,
                                                        const float *bias, uint16_t *y, int64_t ys,
                                                        int KP, const int mr, const int nv) {
@@ -63,6 +81,7 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
     }
     store_tile(acc, bias, y, ys, mr, nv);
 }
+#endif
 
 /* The same tile by float32 FMAs, for cores that run vdpbf16ps at a fraction of their FMA rate
  * (an Intel Xeon model 207 with AMX hidden by the hypervisor: one core peaks at 77-84 GFLOP/s
@@ -101,6 +120,7 @@ static inline __attribute__((always_inline)) void tile_fma(const float *xf, int6
 #define TILE(F, MRV, NVV) case (MRV) * 4 + (NVV): F(x, xs, wp, bias, y, ys, KP, MRV, NVV); break;
 #define TILES(F, MRV) TILE(F, MRV, 1) TILE(F, MRV, 2) TILE(F, MRV, 3)
 
+#if HAVE_DOT_BF16
 static void tile_any(const uint16_t *x, int64_t xs, const uint16_t *wp, const float *bias, uint16_t *y,
                      int64_t ys, int KP, int mr, int nv) {
     switch (mr * 4 + nv) {
@@ -108,6 +128,7 @@ static void tile_any(const uint16_t *x, int64_t xs, const uint16_t *wp, const fl
         TILES(tile, 5) TILES(tile, 6) TILES(tile, 7) TILES(tile, 8)
     }
 }
+#endif
 
 static void tile_fma_any(const float *x, int64_t xs, const uint16_t *wp, const float *bias, uint16_t *y,
                          int64_t ys, int KP, int mr, int nv) {
@@ -117,14 +138,15 @@ static void tile_fma_any(const float *x, int64_t xs, const uint16_t *wp, const f
     }
 }
 
-int tile_linear_bf16_built(void) { return 1; }
+/* 2: both tiles built (AVX512-BF16), 1: the FMA tiles only, 0: none (below). */
+int tile_linear_bf16_built(void) { return 1 + HAVE_DOT_BF16; }
 
 /* x: [M, K] bf16, rows x_stride elements apart; w: packed as above; bias: [N] float32 or NULL;
  * y: [M, N] bf16 contiguous. N a multiple of 16, K even, x_stride >= K. fma: 0 for the
  * vdpbf16ps tiles, 1 for the FMA ones. Returns 0, -1 for shapes out of range, -2 for no memory. */
 int tile_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const float *bias, uint16_t *y,
                      int M, int N, int K, int threads, int fma) {
-    if (M < 1 || N % 16 || K % 2 || x_stride < K) return -1;
+    if (M < 1 || N % 16 || K % 2 || x_stride < K || (!fma && !HAVE_DOT_BF16)) return -1;
     const int KP = K / 2, NB = N / 16, panels = (NB + NV_MAX - 1) / NV_MAX;
     float *xf = NULL;
     if (fma && !(xf = (float *)malloc(sizeof(float) * (size_t)(M < M_CHUNK ? M : M_CHUNK) * K))) return -2;
@@ -150,9 +172,11 @@ int tile_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, con
                     if (fma)
                         tile_fma_any(xf + (int64_t)(r - m0) * K, K, wp, bias ? bias + n0 : 0,
                                      y + (int64_t)r * N + n0, N, KP, mr, nv);
+#if HAVE_DOT_BF16
                     else
                         tile_any(x + r * x_stride, x_stride, wp, bias ? bias + n0 : 0, y + (int64_t)r * N + n0, N,
                                  KP, mr, nv);
+#endif
                 }
             }
         }
@@ -161,7 +185,7 @@ int tile_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, con
     return 0;
 }
 
-#else   /* built for a CPU without AVX512-BF16 (TESSERA_MARCH): the Python side sees 0 and uses oneDNN */
+#else   /* built for a CPU without AVX-512 (TESSERA_MARCH): the Python side sees 0 and uses oneDNN */
 int tile_linear_bf16_built(void) { return 0; }
 int tile_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const float *bias, uint16_t *y,
                      int M, int N, int K, int threads, int fma) {
