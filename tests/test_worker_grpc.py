@@ -28,20 +28,25 @@ def cpu_flags(cpuinfo: str) -> set[str]:
     return {f for line in cpuinfo.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
 
 
-def test_auto_dtype_is_bfloat16_iff_the_cpu_has_bf16_matmul(monkeypatch):
+def test_auto_dtype_is_bfloat16_iff_the_cpu_runs_bf16_linears_at_float32_speed(monkeypatch):
     """The rule, on this machine's flags and on made-up ones, never one machine's answer."""
     import os
 
     import torch
 
     from tessera import engine
-    from tessera_kernels import cbuild
+    from tessera_kernels import cbuild, tile_linear
     here = cpu_flags(open("/proc/cpuinfo").read()) if os.path.exists("/proc/cpuinfo") else set()
-    want = torch.bfloat16 if here & {"amx_bf16", "avx512_bf16"} else torch.float32
+    tiles_here = "avx512f" in here and tile_linear.available(torch.bfloat16)
+    want = torch.bfloat16 if here & {"amx_bf16", "avx512_bf16"} or tiles_here else torch.float32
     assert engine.resolve_dtype("auto") == want
-    for flags, dtype in (("fpu sse avx2 avx512f", torch.float32), ("avx512f avx512_bf16", torch.bfloat16),
-                         ("amx_tile amx_bf16 amx_int8", torch.bfloat16)):
+    for flags, tiles, dtype in (("fpu sse avx2", True, torch.float32),            # AVX2 only
+                                ("fpu sse avx2 avx512f", True, torch.bfloat16),   # Cascade Lake, tiles built
+                                ("fpu sse avx2 avx512f", False, torch.float32),   # ... no compiler
+                                ("avx512f avx512_bf16", False, torch.bfloat16),
+                                ("amx_tile amx_bf16 amx_int8", False, torch.bfloat16)):
         monkeypatch.setattr(cbuild, "_cpu_id", lambda: f"processor\t: 0\nflags\t\t: {flags}\n".encode())
+        monkeypatch.setattr(tile_linear, "available", lambda dtype: tiles)
         cbuild.cpu_flags.cache_clear()
         assert engine.resolve_dtype("auto") == dtype, flags
     cbuild.cpu_flags.cache_clear()
