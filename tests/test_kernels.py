@@ -229,8 +229,8 @@ def test_gemv_q8_matches_reference(M):
 
 @pytest.mark.skipif(not gemv_quant_cpu.available(), reason="no C compiler for the CPU kernel")
 def test_the_kernels_built_for_avx2_pass_the_same_tests(tmp_path):
-    """The other kind of machine (AVX2 only: the float path, no bf16 dot products; float32 is
-    its --dtype auto), built here with TESSERA_MARCH=haswell into its own cache: as C++ where
+    """The other kind of machine (AVX2 only: the float path, no bf16 dot products, the bf16
+    linears' FMA tiles 8 lanes wide; float32 is its --dtype auto), built here with TESSERA_MARCH=haswell into its own cache: as C++ where
     g++ is found (cbuild._cxx), else as C. Every test of both files that applies there."""
     import os
     import pathlib
@@ -243,8 +243,10 @@ def test_the_kernels_built_for_avx2_pass_the_same_tests(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "passed" in run.stdout
     from tessera_kernels import cbuild
+    flags = cbuild.cpu_flags()
     built = ("gemv_quant", "gemv_bf16", "elementwise_f32", "elementwise_bf16", "argmax_f32", "paged_decode_attention") + (
-        ("tile_linear_f32",) if {"avx2", "fma"} <= cbuild.cpu_flags() else ())
+        ("tile_linear_f32",) if {"avx2", "fma"} <= flags else ()) + (
+        ("tile_linear_bf16",) if {"avx2", "fma"} <= flags and "amx_bf16" not in flags else ())
     assert all(list((tmp_path / "kernels").glob(f"{name}-*.so")) for name in built)
 
 
@@ -511,7 +513,7 @@ def test_tile_linear_applies_to_bf16_from_five_rows_and_float32_from_one():
     assert tile_linear.applies(torch.zeros(1, 64), w.float()) == tile_linear.available(torch.float32)
     assert not tile_linear.applies(torch.zeros(8, 64), w)                               # mixed dtypes
     assert not tile_linear.applies(torch.zeros(8, 63, dtype=torch.bfloat16), torch.zeros(48, 63, dtype=torch.bfloat16))
-    assert not tile_linear.applies(torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(40, 64, dtype=torch.bfloat16))
+    assert not tile_linear.applies(torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(44, 64, dtype=torch.bfloat16))
     assert not tile_linear.applies(torch.zeros(1, 64, dtype=torch.bfloat16).expand(8, 64), w)   # rows overlap
     assert not tile_linear.applies(torch.zeros(8, 64, dtype=torch.float16), w.half())
     assert not tile_linear.applies(torch.zeros(8, 128, dtype=torch.bfloat16), w)          # x wider than W

@@ -1,7 +1,7 @@
 """Linears by register tiles over a weight packed once into panels of output columns
 (csrc/tile_linear_bf16.c, csrc/tile_linear_f32.c), where oneDNN leaves the vector units idle:
 
-- bf16, 5 rows or more, on CPUs with AVX-512 and no AMX (AMD Zen 4 and Zen 5): a decode
+- bf16, 5 rows or more, on CPUs without AMX (AMD Zen 4 and Zen 5 first): a decode
   step at batch 64 and every prompt chunk are bound by the bf16 dot products there, and
   oneDNN's matmul used 320 of the 450 GFLOP/s two Zen 4 cores give. SmolLM2's 121 linears,
   Zen 4: 64 rows 49-55 -> 42-44 ms, 8 rows 14-16 -> 8-9.4 ms, 2048 rows 1406 -> 1352 ms.
@@ -9,7 +9,10 @@
   hidden: one core peaks at 77-84 GFLOP/s of vdpbf16ps, 163-170 of FMAs), so there the same
   panels go through float32 FMAs instead (bf16_tiles() measures which of the two is faster,
   once per process): 64 rows 116-120 (oneDNN) -> 67-70 ms, 8 rows 26 -> 14 ms. Cores without
-  AVX512-BF16 (Intel Cascade Lake) get the FMA tiles only, where oneDNN emulates bf16 products.
+  AVX512-BF16 get the FMA tiles only, where torch emulates bf16 products: 16 lanes on AVX-512
+  (Intel Cascade Lake: bf16 then decodes in 0.52-0.84x float32's time, so it is --dtype auto
+  there), 8 on AVX2 (built for AVX2 on Cascade Lake: 8 rows 1.5x float32's tiles and 3.7x
+  F.linear's bf16, 64-256 rows 0.88x float32's tiles; float32 stays auto there).
 - float32, any row count, on CPUs with AVX2 and FMA (float32 is --dtype auto where the CPU has
   no native bf16): 1 row 22-23 -> 11-16.5 ms, 64 rows 92-97 -> 83-85 ms (Zen 4; see the C source).
 
@@ -40,27 +43,23 @@ def _library(dtype: torch.dtype) -> tuple[ctypes.CDLL, int] | None:
     return None if os.environ.get("TESSERA_DISABLE_TILE_LINEAR") == "1" else _built(dtype)
 
 
+_KERNELS = {torch.bfloat16: "tile_linear_bf16", torch.float32: "tile_linear_f32"}
+
+
 @functools.cache
 def _built(dtype: torch.dtype) -> tuple[ctypes.CDLL, int] | None:
     """The kernel for this dtype where this CPU has its vector units and it builds."""
     flags = cbuild.cpu_flags()
-    if dtype == torch.bfloat16:
-        if "avx512f" not in flags or "amx_bf16" in flags:
-            return None
-        lib = cbuild.load("tile_linear_bf16")
-        if lib is None or lib.tile_linear_bf16_built() != 1 + ("avx512_bf16" in flags):
-            return None   # a TESSERA_MARCH other than this CPU
-        fn, lanes = lib.tile_linear_bf16, 16
-    elif dtype == torch.float32:
-        if not {"avx2", "fma"} <= flags:
-            return None
-        lib = cbuild.load("tile_linear_f32")
-        lanes = lib.tile_linear_f32_lanes() if lib is not None else 0
-        if lanes == 0 or (lanes == 16 and "avx512f" not in flags):   # a TESSERA_MARCH wider than the CPU
-            return None
-        fn = lib.tile_linear_f32
-    else:
+    if dtype not in _KERNELS or not {"avx2", "fma"} <= flags or (dtype == torch.bfloat16 and "amx_bf16" in flags):
         return None
+    name = _KERNELS[dtype]
+    lib = cbuild.load(name)
+    lanes = getattr(lib, f"{name}_lanes")() if lib is not None else 0
+    if lanes == 0 or (lanes == 16 and "avx512f" not in flags):   # a TESSERA_MARCH wider than the CPU
+        return None
+    if dtype == torch.bfloat16 and lib.tile_linear_bf16_built() == 2 and "avx512_bf16" not in flags:
+        return None
+    fn = getattr(lib, name)
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
                    + [ctypes.c_int] * (dtype == torch.bfloat16))   # bf16: 1 for the FMA tiles
@@ -107,10 +106,11 @@ def _faster_tiles() -> str:
 
 
 def built_tiles() -> tuple[str, ...]:
-    """The bf16 tiles this CPU runs: both where it has AVX512-BF16, else the FMA ones only."""
+    """The bf16 tiles this CPU runs: both where the kernel was built with AVX512-BF16, else the
+    FMA ones only."""
     if _built(torch.bfloat16) is None:
         return ()
-    return TILES if "avx512_bf16" in cbuild.cpu_flags() else ("fma",)
+    return TILES if cbuild.load("tile_linear_bf16").tile_linear_bf16_built() == 2 else ("fma",)
 
 
 def without_dot_bf16() -> tuple[str, ...]:

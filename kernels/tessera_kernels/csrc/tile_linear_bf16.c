@@ -1,16 +1,18 @@
-/* bf16 linear by AVX512-BF16 register tiles: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]),
- * float32 accumulation, one rounding to bf16. For CPUs with AVX512-BF16 and no AMX (AMD Zen 4
- * and Zen 5), where a decode step at batch 64 and every prompt chunk are bound by the bf16
- * dot-product units, not by memory: oneDNN's matmul reached 320 GFLOP/s of the 450 that
- * vdpbf16ps gives on two Zen 4 cores.
+/* bf16 linear by register tiles: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), float32
+ * accumulation, one rounding to bf16. Two tiles over the same packed weight: AVX512-BF16 dot
+ * products (vdpbf16ps) for CPUs that have them and no AMX (AMD Zen 4 and Zen 5), where a
+ * decode step at batch 64 and every prompt chunk are bound by the bf16 dot-product units, not
+ * by memory: oneDNN's matmul reached 320 GFLOP/s of the 450 that vdpbf16ps gives on two Zen 4
+ * cores; and float32 FMAs (below), built for AVX-512 and for AVX2.
  *
- * W is packed once (tile_linear.py) into panels of up to NV_MAX blocks of 16 output columns.
- * Within a panel, for each pair of inputs k = 2p, 2p + 1, the blocks lie side by side, each
- * holding the 16 columns' pairs (W[n, 2p], W[n, 2p + 1]) as vdpbf16ps reads them:
- *   packed[panel_start + (p * nv + b) * 32 + 2 * j + q] = W[16 * (NV_MAX * panel + b) + j][2p + q]
+ * W is packed once (tile_linear.py) into panels of up to NV_MAX blocks of L output columns
+ * (L = 16 with AVX-512, 8 with AVX2). Within a panel, for each pair of inputs k = 2p, 2p + 1,
+ * the blocks lie side by side, each holding the L columns' pairs (W[n, 2p], W[n, 2p + 1]) as
+ * vdpbf16ps reads them:
+ *   packed[panel_start + (p * nv + b) * 2L + 2 * j + q] = W[L * (NV_MAX * panel + b) + j][2p + q]
  * where nv is the panel's block count (NV_MAX except in the last panel) and every panel before
  * it is full. A panel's weights (K * 96 bytes: 147 KiB for K = 1536) stay in L2 while every
- * tile of MR rows of x runs over them; one register tile is MR rows x nv * 16 columns of
+ * tile of MR rows of x runs over them; one register tile is MR rows x nv * L columns of
  * float32 accumulators, each weight vector feeding MR rows and each broadcast pair of x
  * feeding nv vectors. The next panel's weights are left to the hardware prefetcher: an L2
  * prefetch of it spread over this panel's row tiles measured the same (Zen 4, 64 rows, twelve
@@ -22,11 +24,42 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 
-#define NV_MAX 3   /* 16-column blocks per panel */
-#define MR 8       /* rows per register tile: 8 x 3 accumulators + 3 weight vectors */
+/* The FMA tiles' vectors: L float32 lanes (L output columns per block), as tile_linear_f32.c. */
+#if defined(__AVX512F__)
+#define L 16
+#define MR 8       /* rows per register tile: 8 x 3 accumulators of the 32 registers */
+typedef __m512 vec;
+typedef __m512i veci;
+#define vzero _mm512_setzero_ps
+#define vadd _mm512_add_ps
+#define vfma _mm512_fmadd_ps
+#define vbroadcast _mm512_set1_ps
+#define vloadf _mm512_loadu_ps
+#define vloadi(p) _mm512_loadu_si512((const void *)(p))
+#define vshl16(w) _mm512_castsi512_ps(_mm512_slli_epi32(w, 16))
+#define vhigh16(w) _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xFFFF0000u)))
+#else
+#define L 8
+/* 3 x 3 accumulators of AVX2's 16 registers, with a panel's six weight vectors (4 rows with the
+ * weight vectors made per block and x broadcast per block: 0.75x as fast at 256 rows, the
+ * broadcasts filling the load ports) */
+#define MR 3
+typedef __m256 vec;
+typedef __m256i veci;
+#define vzero _mm256_setzero_ps
+#define vadd _mm256_add_ps
+#define vfma _mm256_fmadd_ps
+#define vbroadcast _mm256_set1_ps
+#define vloadf _mm256_loadu_ps
+#define vloadi(p) _mm256_loadu_si256((const __m256i *)(p))
+#define vshl16(w) _mm256_castsi256_ps(_mm256_slli_epi32(w, 16))
+#define vhigh16(w) _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xFFFF0000u)))
+#endif
+
+#define NV_MAX 3   /* L-column blocks per panel */
 /* The FMA tiles ask for the panel's weights 4 KiB ahead: a panel is read from memory by its
  * first row tile (from L2 by the next ones), and the hardware prefetcher alone kept that tile
  * waiting on an Intel Xeon (model 207, SmolLM2's 121 linears: 8 rows 20.2 -> 14.0 ms, 64 rows
@@ -34,31 +67,41 @@
 #define AHEAD_ELEMS 2048
 #define M_CHUNK 256 /* rows of x per pass over the panels (a chunk of x stays in L2) */
 
+/* f rounded to bf16 into p (L values). Without AVX512-BF16 (Intel Cascade Lake, AVX2) as
+ * vcvtneps2bf16 rounds: to the nearest, ties to even; a NaN stays a NaN (its low bits carried
+ * into the exponent would make it infinite, so it is quieted instead). */
 #if defined(__AVX512BF16__)
 #define HAVE_DOT_BF16 1
-static inline __m256i to_bf16(__m512 f) { return (__m256i)_mm512_cvtneps_pbh(f); }
-#else
-/* Without AVX512-BF16 (Intel Cascade Lake), only the FMA tiles are built and each result is
- * rounded as vcvtneps2bf16 rounds it: to the nearest bf16, ties to even (a NaN stays a NaN:
- * its low bits carried into the exponent would make it infinite, so it is quieted instead). */
+static inline void store_bf16(uint16_t *p, vec f) { _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(f)); }
+#elif defined(__AVX512F__)
 #define HAVE_DOT_BF16 0
-static inline __m256i to_bf16(__m512 f) {
-    const __m512i bits = _mm512_castps_si512(f);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+static inline void store_bf16(uint16_t *p, vec f) {
+    const veci bits = _mm512_castps_si512(f);
+    const veci odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    veci r = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
     r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), bits, _mm512_set1_epi32(0x400000));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+}
+#else
+#define HAVE_DOT_BF16 0
+static inline void store_bf16(uint16_t *p, vec f) {
+    const veci bits = _mm256_castps_si256(f);
+    const veci odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    veci r = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
+    const veci nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(bits, _mm256_set1_epi32(0x400000)), nan);
+    r = _mm256_srli_epi32(r, 16);   /* 0..65535: packus keeps them, in two 128-bit halves */
+    const veci packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
 }
 #endif
 
 /* The tile's accumulators (+ bias) rounded once to bf16 into y. */
-static inline __attribute__((always_inline)) void store_tile(__m512 acc[MR][NV_MAX], const float *bias, uint16_t *y,
+static inline __attribute__((always_inline)) void store_tile(vec acc[MR][NV_MAX], const float *bias, uint16_t *y,
                                                              int64_t ys, const int mr, const int nv) {
     for (int r = 0; r < mr; r++)
-        for (int v = 0; v < nv; v++) {
-            const __m512 out = bias ? _mm512_add_ps(acc[r][v], _mm512_loadu_ps(bias + 16 * v)) : acc[r][v];
-            _mm256_storeu_si256((__m256i *)(y + r * ys + 16 * v), to_bf16(out));
-        }
+        for (int v = 0; v < nv; v++)
+            store_bf16(y + r * ys + L * v, bias ? vadd(acc[r][v], vloadf(bias + L * v)) : acc[r][v]);
 }
 
 #if HAVE_DOT_BF16
@@ -85,31 +128,31 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
 
 /* The same tile by float32 FMAs, for cores that run vdpbf16ps at a fraction of their FMA rate
  * (an Intel Xeon model 207 with AMX hidden by the hypervisor: one core peaks at 77-84 GFLOP/s
- * of vdpbf16ps against 163-170 of FMAs). One load of a pair block gives both inputs' weights as
- * float32, the even one shifted up 16 bits and the odd one with its low 16 bits cleared, so the
- * weights still cross memory as bf16; x comes as float32 (xf, converted once per call) and is
- * broadcast from memory by the FMA itself. A bf16 product is exact in float32, so each FMA
- * rounds once, as vdpbf16ps does per input on Intel (odd input first, then even: the order of
- * its pseudocode; the two tiles' results were equal bit for bit there). */
+ * of vdpbf16ps against 163-170 of FMAs) or have none (Cascade Lake, AVX2). One load of a pair
+ * block gives both inputs' weights as float32, the even one shifted up 16 bits and the odd one
+ * with its low 16 bits cleared, so the weights still cross memory as bf16; x comes as float32
+ * (xf, converted once per call) and is broadcast from memory by the FMA itself. A bf16 product
+ * is exact in float32, so each FMA rounds once, as vdpbf16ps does per input on Intel (odd input
+ * first, then even: the order of its pseudocode; the two tiles' results were equal bit for bit
+ * there). */
 static inline __attribute__((always_inline)) void tile_fma(const float *xf, int64_t xs, const uint16_t *wp,
                                                            const float *bias, uint16_t *y, int64_t ys,
                                                            int KP, const int mr, const int nv) {
-    __m512 acc[MR][NV_MAX];
-    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    vec acc[MR][NV_MAX];
     for (int r = 0; r < mr; r++)
-        for (int v = 0; v < nv; v++) acc[r][v] = _mm512_setzero_ps();
+        for (int v = 0; v < nv; v++) acc[r][v] = vzero();
     for (int p = 0; p < KP; p++) {
-        const uint16_t *wk = wp + (int64_t)p * nv * 32;
-        __m512 even[NV_MAX], odd[NV_MAX];
+        const uint16_t *wk = wp + (int64_t)p * nv * 2 * L;
+        vec even[NV_MAX], odd[NV_MAX];
         for (int v = 0; v < nv; v++) {
-            __builtin_prefetch(wk + 32 * v + AHEAD_ELEMS);
-            const __m512i w = _mm512_loadu_si512((const void *)(wk + 32 * v));
-            even[v] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-            odd[v] = _mm512_castsi512_ps(_mm512_and_si512(w, high));
+            __builtin_prefetch(wk + 2 * L * v + AHEAD_ELEMS);
+            const veci w = vloadi(wk + 2 * L * v);
+            even[v] = vshl16(w);
+            odd[v] = vhigh16(w);
         }
         for (int r = 0; r < mr; r++) {
-            const __m512 a1 = _mm512_set1_ps(xf[r * xs + 2 * p + 1]), a0 = _mm512_set1_ps(xf[r * xs + 2 * p]);
-            for (int v = 0; v < nv; v++) acc[r][v] = _mm512_fmadd_ps(a0, even[v], _mm512_fmadd_ps(a1, odd[v], acc[r][v]));
+            const vec a1 = vbroadcast(xf[r * xs + 2 * p + 1]), a0 = vbroadcast(xf[r * xs + 2 * p]);
+            for (int v = 0; v < nv; v++) acc[r][v] = vfma(a0, even[v], vfma(a1, odd[v], acc[r][v]));
         }
     }
     store_tile(acc, bias, y, ys, mr, nv);
@@ -133,21 +176,27 @@ static void tile_any(const uint16_t *x, int64_t xs, const uint16_t *wp, const fl
 static void tile_fma_any(const float *x, int64_t xs, const uint16_t *wp, const float *bias, uint16_t *y,
                          int64_t ys, int KP, int mr, int nv) {
     switch (mr * 4 + nv) {
-        TILES(tile_fma, 1) TILES(tile_fma, 2) TILES(tile_fma, 3) TILES(tile_fma, 4)
+        TILES(tile_fma, 1) TILES(tile_fma, 2) TILES(tile_fma, 3)
+#if MR > 3
+        TILES(tile_fma, 4)
+#endif
+#if MR > 4
         TILES(tile_fma, 5) TILES(tile_fma, 6) TILES(tile_fma, 7) TILES(tile_fma, 8)
+#endif
     }
 }
 
 /* 2: both tiles built (AVX512-BF16), 1: the FMA tiles only, 0: none (below). */
 int tile_linear_bf16_built(void) { return 1 + HAVE_DOT_BF16; }
+int tile_linear_bf16_lanes(void) { return L; }
 
 /* x: [M, K] bf16, rows x_stride elements apart; w: packed as above; bias: [N] float32 or NULL;
- * y: [M, N] bf16 contiguous. N a multiple of 16, K even, x_stride >= K. fma: 0 for the
+ * y: [M, N] bf16 contiguous. N a multiple of L, K even, x_stride >= K. fma: 0 for the
  * vdpbf16ps tiles, 1 for the FMA ones. Returns 0, -1 for shapes out of range, -2 for no memory. */
 int tile_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const float *bias, uint16_t *y,
                      int M, int N, int K, int threads, int fma) {
-    if (M < 1 || N % 16 || K % 2 || x_stride < K || (!fma && !HAVE_DOT_BF16)) return -1;
-    const int KP = K / 2, NB = N / 16, panels = (NB + NV_MAX - 1) / NV_MAX;
+    if (M < 1 || N % L || K % 2 || x_stride < K || (!fma && !HAVE_DOT_BF16)) return -1;
+    const int KP = K / 2, NB = N / L, panels = (NB + NV_MAX - 1) / NV_MAX;
     float *xf = NULL;
     if (fma && !(xf = (float *)malloc(sizeof(float) * (size_t)(M < M_CHUNK ? M : M_CHUNK) * K))) return -2;
     for (int m0 = 0; m0 < M; m0 += M_CHUNK) {
@@ -165,8 +214,8 @@ int tile_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, con
             #pragma omp for schedule(static)
             for (int pn = 0; pn < panels; pn++) {
                 const int nv = NB - pn * NV_MAX < NV_MAX ? NB - pn * NV_MAX : NV_MAX;
-                const uint16_t *wp = w + (int64_t)pn * NV_MAX * KP * 32;
-                const int n0 = pn * NV_MAX * 16;
+                const uint16_t *wp = w + (int64_t)pn * NV_MAX * KP * 2 * L;
+                const int n0 = pn * NV_MAX * L;
                 for (int r = m0; r < m1; r += MR) {
                     const int mr = m1 - r < MR ? m1 - r : MR;
                     if (fma)
@@ -185,8 +234,9 @@ int tile_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, con
     return 0;
 }
 
-#else   /* built for a CPU without AVX-512 (TESSERA_MARCH): the Python side sees 0 and uses oneDNN */
+#else   /* no FMA vectors: the Python side sees 0 and uses oneDNN */
 int tile_linear_bf16_built(void) { return 0; }
+int tile_linear_bf16_lanes(void) { return 0; }
 int tile_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const float *bias, uint16_t *y,
                      int M, int N, int K, int threads, int fma) {
     (void)x; (void)x_stride; (void)w; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)threads; (void)fma;
