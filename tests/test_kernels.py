@@ -29,6 +29,21 @@ def test_gemv_bf16_matches_reference(M, N, K, bias):
     assert ((out.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-4).all()
 
 
+@pytest.mark.skipif(gemv_cpu._library() is None, reason="no C compiler for the CPU kernel")
+@pytest.mark.parametrize("M", [1, 2, 3, 4])
+def test_gemv_bf16_gives_the_same_bits_with_weight_rows_side_by_side_or_one_at_a_time(M, monkeypatch):
+    """The two ways of streaming W (gemv_cpu.side_by_side: which one depends on the CPU) keep
+    each column's summation order; N = 4k + 3 takes the side-by-side path's tail too."""
+    g = torch.Generator().manual_seed(M)
+    x, w, b = (torch.randn(M, 96, generator=g).bfloat16(), torch.randn(83, 96, generator=g).bfloat16(),
+               torch.randn(83, generator=g).bfloat16())
+    outs = []
+    for way in (True, False):
+        monkeypatch.setattr(gemv_cpu, "side_by_side", lambda way=way: way)
+        outs.append(gemv_cpu.gemv_bf16(x, w, b))
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_gemv_applies_only_to_few_bf16_rows():
     w = torch.zeros(8, 32, dtype=torch.bfloat16)
     assert not gemv_cpu.applies(torch.zeros(gemv_cpu.MAX_ROWS + 1, 32, dtype=torch.bfloat16), w)

@@ -123,6 +123,15 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@functools.cache
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"); empty where there is none."""
+    for line in _cpu_id().decode(errors="replace").splitlines():
+        if line.startswith("vendor_id"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
 def _cpu_id() -> bytes:
     try:
         return pathlib.Path("/proc/cpuinfo").read_bytes().split(b"\n\n")[0]

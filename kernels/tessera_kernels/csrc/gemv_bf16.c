@@ -15,7 +15,8 @@
 #define MAX_ROWS 4
 /* Weight rows streamed side by side (see columns), M x COLUMNS(M) accumulators in registers:
  * 32 zmm registers with AVX-512; the AVX2 build's 16 lanes take two of its 16 ymm registers, so
- * there at most four accumulators (more spill). */
+ * there at most four accumulators (more spill). Whether side by side at all is the caller's
+ * choice (gemv_cpu.side_by_side(): it times both): faster on an Intel Xeon, slower on Zen 4. */
 #if defined(__AVX512F__)
 #define COLUMNS(M) 4
 #else
@@ -31,8 +32,10 @@
  * a variable they spill, and one row at a time then runs at half the memory's speed:
  * measured). Each accumulator is one column's own chain in the order of i, so the bits do not
  * depend on C; C chains side by side hide the FMA's latency, which one chain per column left
- * exposed: SmolLM2's 121 one-row products with C = 4 instead of 1, 16.3-16.7 -> 12.9-13.5 ms
- * (Intel Xeon with AMX, model 167, 2 cores; C = 8 was slower again, 14.7 ms). */
+ * exposed on an Intel Xeon: SmolLM2's 121 one-row products with C = 4 instead of 1, 16.3-16.7 ->
+ * 12.9-13.5 ms (AMX, model 167, 2 cores; C = 8 was slower again, 14.7 ms). On AMD EPYC Zen 4 it
+ * is the other way round: C = 1 8.5-9.6 ms, C = 4 12.3-13.7, C = 2 12.3-14.2 (2 cores, 269 MB
+ * at 34 GB/s: one stream per column at the memory's speed, with or without the prefetch). */
 static inline __attribute__((always_inline))
 void columns(const v16 *xs, const uint16_t *w, const uint16_t *bias, uint16_t *y,
              const int M, const int C, int N, int K, int n) {
@@ -54,17 +57,19 @@ void columns(const v16 *xs, const uint16_t *w, const uint16_t *bias, uint16_t *y
     }
 }
 
-/* Groups of COLUMNS(M) columns split among the threads; the last N % COLUMNS(M) one at a time. */
-#define GEMV(M_CONST) {                                                                  \
-    const int C = COLUMNS(M_CONST);                                                      \
+/* Groups of C columns split among the threads; the last N % C one at a time. */
+#define GEMV_C(M_CONST, C_CONST) {                                                       \
+    const int C = C_CONST;                                                               \
     _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                \
     for (int g = 0; g < N / C; g++) columns(xs, w, bias, y, M_CONST, C, N, K, g * C);    \
     for (int n = N / C * C; n < N; n++) columns(xs, w, bias, y, M_CONST, 1, N, K, n);    \
 }
+#define GEMV(M_CONST) { if (side_by_side) GEMV_C(M_CONST, COLUMNS(M_CONST)) else GEMV_C(M_CONST, 1) }
 
-/* K must be a multiple of 16 and 1 <= M <= MAX_ROWS: the wrapper checks both. */
+/* K must be a multiple of 16 and 1 <= M <= MAX_ROWS: the wrapper checks both. side_by_side:
+ * COLUMNS(M) weight rows at a time, else one. */
 void gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
-               int M, int N, int K, int num_threads) {
+               int M, int N, int K, int num_threads, int side_by_side) {
     const int n16 = K / 16;
     v16 xs[MAX_ROWS * n16];
     for (int m = 0; m < M; m++)
