@@ -48,6 +48,36 @@ def test_a_recording_refuses_torch_ops_that_compute_and_ignores_other_threads():
     assert rec.refused == "aten.lift_fresh.default"
 
 
+def test_work_paused_inside_a_recording_is_neither_refused_nor_recorded():
+    a = torch.randn(4, 16)
+    with torch.inference_mode(), replay.record() as rec:
+        with replay.paused():
+            packed = (a * 2).contiguous()          # computes: outside a pause it would be refused
+            elementwise_cpu.add(a, a)              # a kernel call made once, not part of the step
+        y = elementwise_cpu.add(a, packed)
+    assert rec.refused is None and len(rec.calls) == 1
+    a.copy_(torch.randn(4, 16))
+    rec.replay()
+    assert torch.equal(y, a + packed)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_first_step_that_packs_the_weights_is_recorded(dtype):
+    """A linear packs its weight for the register or AMX tiles on its first product of 5+
+    rows; the fresh engine's first such step packs them while it is recorded, and is not refused
+    for it (it ran eagerly and logged a refusal before)."""
+    engine = Engine(EngineConfig(dtype=dtype, num_threads=2, cache=_NO_PREFIX_CACHE))
+    lin = engine.runner.model.layers[0].attn.qkv_proj
+    if (8 not in _recordable_sizes(engine, (8,))
+            or not any(k.applies(torch.zeros(8, lin.weight.shape[1], dtype=lin.weight.dtype), lin.weight)
+                       for k in linear._PACKED_KERNELS)):
+        pytest.skip("no packed-weight kernel takes 8 rows on this CPU")
+    assert lin._packed is None
+    prompt = torch.randint(100, 40000, (8,), generator=torch.Generator().manual_seed(8)).tolist()
+    _generate(engine, False, [prompt], [2])
+    assert lin._packed is not None and 8 not in engine.runner.graphs.refusals
+
+
 def _generate(engine: Engine, eager: bool, prompts, max_tokens) -> list[list[int]]:
     """Greedy tokens of prompts started together and finishing after their own max_tokens (the
     batch shrinks step by step), with the engine's graphs or without."""
@@ -107,8 +137,7 @@ def test_replayed_steps_give_the_eager_engines_tokens(dtype, quantization):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_prompt_steps_are_recorded_and_replayed_like_decode_steps(dtype):
     """A prompt alone in its step is T rows like T decode tokens: prompts of 37 tokens, one after
-    another, are recorded (after a first try that packs the weights and one that grows the
-    pool), checked and then replayed, with the eager engine's tokens; so is a step where a
+    another, are recorded (after a first try that grows the pool), checked and then replayed, with the eager engine's tokens; so is a step where a
     prompt joins a running request (one decode row and 20 prompt rows)."""
     engine = Engine(EngineConfig(dtype=dtype, num_threads=2, cache=_NO_PREFIX_CACHE))
     graphs = engine.runner.graphs

@@ -38,7 +38,7 @@ from typing import Iterator
 
 import torch
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 _local = threading.local()   # .recording: the Recording this thread is making, if any
 _ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default}
@@ -211,6 +211,24 @@ def record(pool: Pool | None = None) -> Iterator[Recording]:
             yield rec
     finally:
         _local.recording = None
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Inside a recording, code whose work is not part of what is recorded: state made once and
+    kept (a linear's weight packed on first use), which later replays only read. Its torch ops
+    are not refused and its kernel calls not noted; its tensors are not kept by the recording
+    (their owner keeps them). Outside a recording it changes nothing."""
+    rec = getattr(_local, "recording", None)
+    if rec is None:
+        yield
+        return
+    _local.recording = None
+    try:
+        with _disable_current_modes():
+            yield
+    finally:
+        _local.recording = rec
 
 
 class RecordableCDLL(ctypes.CDLL):

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from tessera_kernels import cbuild
+from tessera_kernels import cbuild, replay
 
 NV_MAX = 3           # column blocks per panel, as in the C sources
 BF16_MIN_ROWS = 5    # below: the bf16 GEMV kernel (gemv_cpu), which streams weights at memory speed
@@ -80,7 +80,7 @@ def bf16_tiles() -> str:
     the choice. TESSERA_BF16_TILES=dot|fma chooses instead."""
     if _chosen:                   # every bf16 linear asks: no lock once the answer is made
         return _chosen[0]
-    with _choosing:
+    with _choosing, replay.paused():     # a step being recorded may ask first: not part of it
         if not _chosen:
             _chosen.append(_faster_tiles())
         return _chosen[0]

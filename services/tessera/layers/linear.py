@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera_kernels import amx_linear, gemv_cpu, tile_linear
+from tessera_kernels import amx_linear, gemv_cpu, replay, tile_linear
 
 # Kernels that take the weight packed in their own layout: for a dtype at most one applies on
 # a CPU (bf16: the AMX one where it has AMX, else the register tiles where it has AVX512-BF16).
@@ -52,7 +52,8 @@ class Linear(nn.Linear):
         if kernel is not None and not self._needs_autograd(x):
             key = (kernel.__name__, *self._weight_key())
             if self._packed is None or self._packed_of != key:
-                self._packed, self._packed_of = kernel.pack(self.weight.detach()), key
+                with replay.paused():   # made once: a step being recorded (step_graph.py) only reads it
+                    self._packed, self._packed_of = kernel.pack(self.weight.detach()), key
             return kernel.linear(x, self._packed, self.bias, self.weight.shape[0])
         blocked = self._blocked_weight(x)
         if blocked is not None:
