@@ -44,6 +44,20 @@ def test_gemv_bf16_gives_the_same_bits_with_weight_rows_side_by_side_or_one_at_a
     assert torch.equal(outs[0], outs[1])
 
 
+def test_gemv_rows_side_by_side_on_intel_one_at_a_time_on_amd_unless_told(monkeypatch):
+    from tessera_kernels import cbuild
+    for vendor, env, expected in (("GenuineIntel", None, True), ("AuthenticAMD", None, False),
+                                  ("AuthenticAMD", "1", True), ("GenuineIntel", "0", False)):
+        monkeypatch.setattr(cbuild, "cpu_vendor", lambda vendor=vendor: vendor)
+        if env is None:
+            monkeypatch.delenv("TESSERA_GEMV_SIDE_BY_SIDE", raising=False)
+        else:
+            monkeypatch.setenv("TESSERA_GEMV_SIDE_BY_SIDE", env)
+        gemv_cpu.side_by_side.cache_clear()
+        assert gemv_cpu.side_by_side() is expected
+    gemv_cpu.side_by_side.cache_clear()
+
+
 def test_gemv_applies_only_to_few_bf16_rows():
     w = torch.zeros(8, 32, dtype=torch.bfloat16)
     assert not gemv_cpu.applies(torch.zeros(gemv_cpu.MAX_ROWS + 1, 32, dtype=torch.bfloat16), w)

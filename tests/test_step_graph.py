@@ -49,33 +49,42 @@ def test_a_recording_refuses_torch_ops_that_compute_and_ignores_other_threads():
 
 
 def test_work_paused_inside_a_recording_is_neither_refused_nor_recorded():
-    a = torch.randn(4, 16)
-    with torch.inference_mode(), replay.record() as rec:
+    a, pool = torch.randn(4, 16), replay.Pool()
+    pool.used = 1 << 16
+    pool.grow()
+    with torch.inference_mode(), replay.record(pool) as rec:
         with replay.paused():
             packed = (a * 2).contiguous()          # computes: outside a pause it would be refused
             elementwise_cpu.add(a, a)              # a kernel call made once, not part of the step
         y = elementwise_cpu.add(a, packed)
     assert rec.refused is None and len(rec.calls) == 1
+    assert y.untyped_storage().data_ptr() == pool.buffer.data_ptr()      # the step's buffer: the pool's
+    assert packed.untyped_storage().data_ptr() != pool.buffer.data_ptr()  # the paused work's: its own
     a.copy_(torch.randn(4, 16))
     rec.replay()
     assert torch.equal(y, a + packed)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_first_step_that_packs_the_weights_is_recorded(dtype):
+def test_the_first_step_that_packs_the_weights_is_recorded_and_replayed(dtype):
     """A linear packs its weight for the register or AMX tiles on its first product of 5+
-    rows; the fresh engine's first such step packs them while it is recorded, and is not refused
-    for it (it ran eagerly and logged a refusal before)."""
+    rows; the fresh engine's first such step packs them while it is recorded, is kept (it was
+    refused for it and ran eagerly before), and replays with the eager engine's tokens."""
     engine = Engine(EngineConfig(dtype=dtype, num_threads=2, cache=_NO_PREFIX_CACHE))
-    lin = engine.runner.model.layers[0].attn.qkv_proj
-    if (8 not in _recordable_sizes(engine, (8,))
-            or not any(k.applies(torch.zeros(8, lin.weight.shape[1], dtype=lin.weight.dtype), lin.weight)
-                       for k in linear._PACKED_KERNELS)):
+    graphs, lin = engine.runner.graphs, engine.runner.model.layers[0].attn.qkv_proj
+    x = torch.zeros(8, lin.weight.shape[1], dtype=lin.weight.dtype)
+    packed_kernel = any(k.applies(x, lin.weight) for k in linear._PACKED_KERNELS)
+    if 8 not in _recordable_sizes(engine, (8,)) or not packed_kernel:
         pytest.skip("no packed-weight kernel takes 8 rows on this CPU")
+    graphs.pool.used = 64 << 20          # room for the step: the first recording is kept, not grown out
+    graphs.pool.grow()
     assert lin._packed is None
-    prompt = torch.randint(100, 40000, (8,), generator=torch.Generator().manual_seed(8)).tolist()
-    _generate(engine, False, [prompt], [2])
-    assert lin._packed is not None and 8 not in engine.runner.graphs.refusals
+    g = torch.Generator().manual_seed(8)
+    first, second = (torch.randint(100, 40000, (8,), generator=g).tolist() for _ in range(2))
+    _generate(engine, False, [first], [2])
+    assert lin._packed is not None and 8 in graphs.graphs and 8 not in graphs.refusals
+    assert _generate(engine, False, [second], [2]) == _generate(engine, True, [second], [2])
+    assert graphs.graphs[8].verified and not graphs.dropped
 
 
 def _generate(engine: Engine, eager: bool, prompts, max_tokens) -> list[list[int]]:
@@ -137,8 +146,9 @@ def test_replayed_steps_give_the_eager_engines_tokens(dtype, quantization):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_prompt_steps_are_recorded_and_replayed_like_decode_steps(dtype):
     """A prompt alone in its step is T rows like T decode tokens: prompts of 37 tokens, one after
-    another, are recorded (after a first try that grows the pool), checked and then replayed, with the eager engine's tokens; so is a step where a
-    prompt joins a running request (one decode row and 20 prompt rows)."""
+    another, are recorded (after a first try that grows the pool), checked and then replayed,
+    with the eager engine's tokens; so is a step where a prompt joins a running request (one
+    decode row and 20 prompt rows)."""
     engine = Engine(EngineConfig(dtype=dtype, num_threads=2, cache=_NO_PREFIX_CACHE))
     graphs = engine.runner.graphs
     if _recordable_sizes(engine, (1, 21, 37)) != {1, 21, 37}:

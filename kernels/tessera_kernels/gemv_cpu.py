@@ -36,12 +36,14 @@ def _library() -> ctypes.CDLL | None:
 
 @functools.cache
 def side_by_side() -> bool:
-    """Whether the kernel streams four weight rows side by side (four FMA chains in flight)
-    or one at a time, as each CPU kind measured faster on SmolLM2's 121 one-row products
+    """Whether the kernel streams several weight rows side by side (csrc/gemv_bf16.c's
+    COLUMNS(M): four with AVX-512; with AVX2 4/2/1 for 1/2/3+ rows), several FMA chains in
+    flight, or one at a time, as each CPU kind measured faster on SmolLM2's 121 one-row products
     (weights from memory, 2 cores): side by side on Intel Xeons (AMX model 167: 16.5 -> 13 ms),
     one at a time on AMD EPYC (Zen 4: 12.3-13.7 -> 8.5-9.6 ms; from memory the four streams
-    drop to ~26 of the 41 GB/s one reaches, although in cache they are 1.6x faster). Both give
-    the same bits. TESSERA_GEMV_SIDE_BY_SIDE=1|0 chooses instead."""
+    drop to ~26 of the 41 GB/s one reaches, although in cache they are 1.6x faster; Zen 5 and
+    the AVX2-only EPYC measured only one at a time). Other vendors (Hygon's Zen) get side by
+    side, unmeasured. Both give the same bits. TESSERA_GEMV_SIDE_BY_SIDE=1|0 chooses instead."""
     chosen = os.environ.get("TESSERA_GEMV_SIDE_BY_SIDE")
     if chosen in ("0", "1"):
         return chosen == "1"

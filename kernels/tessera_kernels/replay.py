@@ -38,7 +38,7 @@ from typing import Iterator
 
 import torch
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _local = threading.local()   # .recording: the Recording this thread is making, if any
 _ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default}
@@ -166,6 +166,8 @@ class _Guard(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if getattr(_local, "recording", None) is not self.recording:   # paused()
+            return func(*args, **kwargs)
         if (func is torch.ops.aten.empty.memory_format and self.pool is not None
                 and kwargs.get("memory_format") in (None, torch.contiguous_format)
                 and torch.device(kwargs.get("device") or "cpu").type == "cpu"):
@@ -223,10 +225,9 @@ def paused() -> Iterator[None]:
     if rec is None:
         yield
         return
-    _local.recording = None
+    _local.recording = None     # the guard (_Guard) lets ops pass while its recording is not the thread's
     try:
-        with _disable_current_modes():
-            yield
+        yield
     finally:
         _local.recording = rec
 

@@ -46,8 +46,8 @@ log = logging.getLogger(__name__)
 # larger ones on AMX). The memory of the largest graph's buffers grows with it: SmolLM2 in
 # bf16, ~0.58 MB a token.
 MAX_TOKENS = PROMPTS_ON_KERNEL_UP_TO
-_ATTEMPTS = 2        # refused recordings per token count before it stays eager (the first may meet
-                     # a weight packed on first use)
+_ATTEMPTS = 2        # refused recordings per token count before it stays eager (a second chance
+                     # for a refusal that came from work made once, outside replay.paused())
 REFUSED_SIZES = 4    # token counts refused with no graph kept: the model's steps cannot be recorded
 
 

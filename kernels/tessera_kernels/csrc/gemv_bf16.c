@@ -16,7 +16,7 @@
 /* Weight rows streamed side by side (see columns), M x COLUMNS(M) accumulators in registers:
  * 32 zmm registers with AVX-512; the AVX2 build's 16 lanes take two of its 16 ymm registers, so
  * there at most four accumulators (more spill). Whether side by side at all is the caller's
- * choice (gemv_cpu.side_by_side(): it times both): faster on an Intel Xeon, slower on Zen 4. */
+ * choice (gemv_cpu.side_by_side(), by the CPU's vendor): faster on an Intel Xeon, slower on Zen 4. */
 #if defined(__AVX512F__)
 #define COLUMNS(M) 4
 #else
