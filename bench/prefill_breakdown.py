@@ -1,6 +1,9 @@
 """Where a prompt step's time goes (the TTFT of one request: one prompt alone in its step):
 the engine's pieces wrapped in wall-clock timers (on the CPU nothing runs asynchronously, so a
-timer around a call is its cost), median of 15 steps, each a fresh prompt of LEN tokens.
+timer around a call is its cost), median of 15 steps, each a fresh prompt of LEN tokens. The
+timers need the eager step (--enforce-eager); the replayed step (step_graph.py; prompts of up to
+its MAX_TOKENS) is timed after it, on another engine: as a whole, and its layers' C calls by
+kernel (replayed.py).
     .venv/bin/python bench/prefill_breakdown.py [LEN] [float32]   # 128 tokens, bfloat16 by default
 """
 import collections
@@ -9,6 +12,7 @@ import sys
 import time
 
 import torch
+from replayed import print_replayed
 
 import tessera.engine as E
 import tessera.layers.attention as A
@@ -45,27 +49,35 @@ MR.build_forward_batch = timed("batch tensors", MR.build_forward_batch)
 
 LEN = int(sys.argv[1]) if len(sys.argv) > 1 else 128
 DTYPE = sys.argv[2] if len(sys.argv) > 2 else "bfloat16"
-e = Engine(EngineConfig(dtype=DTYPE, num_threads=2))
-g = torch.Generator().manual_seed(LEN)
-steps, parts = [], collections.defaultdict(list)
-for i in range(18):
-    e.add_request(torch.randint(100, 40000, (LEN,), generator=g).tolist(),
-                  SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-    acc.clear()
-    t = time.perf_counter()
-    e.step()
-    if i >= 3:                            # the first steps warm the caches and packed weights
-        steps.append(time.perf_counter() - t)
-        for k, v in acc.items():
-            parts[k].append(v)
-    while e.has_unfinished:
+
+
+def prompt_steps(enforce_eager: bool) -> tuple[float, dict, Engine]:
+    """Median step, median time per timer, and the engine."""
+    e = Engine(EngineConfig(dtype=DTYPE, num_threads=2, enforce_eager=enforce_eager))
+    g = torch.Generator().manual_seed(LEN)
+    steps, parts = [], collections.defaultdict(list)
+    for i in range(18):
+        e.add_request(torch.randint(100, 40000, (LEN,), generator=g).tolist(),
+                      SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        acc.clear()
+        t = time.perf_counter()
         e.step()
-total = statistics.median(steps)
-print(f"{LEN}-token prompt, {DTYPE}: step {total*1e3:.1f} ms median "
-      f"({min(steps)*1e3:.1f}-{max(steps)*1e3:.1f})")
-named = 0.0
-for k, v in sorted(parts.items(), key=lambda kv: -statistics.median(kv[1])):
-    m = statistics.median(v)
-    named += m
+        if i >= 3:                        # the first steps warm the caches and packed weights
+            steps.append(time.perf_counter() - t)
+            for k, v in acc.items():
+                parts[k].append(v)
+        while e.has_unfinished:
+            e.step()
+    return statistics.median(steps), {k: statistics.median(v) for k, v in parts.items()}, e
+
+
+total, parts, _ = prompt_steps(True)
+print(f"{LEN}-token prompt, {DTYPE}: step {total*1e3:.1f} ms median, eager")
+for k, m in sorted(parts.items(), key=lambda kv: -kv[1]):
     print(f"  {k}: {m*1e3:.1f} ms ({m/total:.0%})")
-print(f"  rest (embedding, scheduler, Python between the calls): {(total-named)*1e3:.1f} ms ({(total-named)/total:.0%})")
+rest = total - sum(parts.values())
+print(f"  rest (embedding, scheduler, Python between the calls): {rest*1e3:.1f} ms ({rest/total:.0%})")
+replayed, parts, e = prompt_steps(False)
+print(f"replayed (step_graph.py): step {replayed*1e3:.1f} ms median")
+if LEN in e.runner.graphs.graphs:   # the final norm and LM head (of the last token) run after the replay
+    print_replayed(e, LEN, replayed, {{"linears": "LM head", "RMSNorm": "final norm"}.get(k, k): v for k, v in parts.items()})

@@ -1,10 +1,12 @@
 """Where a decode step's time goes, at a batch size: the engine's pieces wrapped in wall-clock
 timers (on the CPU nothing runs asynchronously, so a timer around a call is its cost). The
 timers need the eager step (--enforce-eager); the replayed step (step_graph.py) is timed
-after it, on another engine, as a whole.
+after it, on another engine: as a whole, its layers' C calls by kernel (replayed.py), and the
+LM head, sampling and batch tensors, which run from Python after the replay.
     .venv/bin/python bench/step_breakdown.py 64 [float32]   # bfloat16 unless given; 2 threads, context ~190
 """
 import sys, time, collections, torch
+from replayed import print_replayed
 from tessera.config import EngineConfig, SamplingParams
 from tessera.engine import Engine
 import tessera.layers.linear as L, tessera.layers.attention as A, tessera.models.llama as LL, tessera.engine as E
@@ -25,7 +27,7 @@ DTYPE = sys.argv[2] if len(sys.argv) > 2 else "bfloat16"
 n = 20                                # steps timed
 
 
-def step_ms(enforce_eager: bool) -> float:
+def step_s(enforce_eager: bool) -> tuple[float, Engine]:
     e = Engine(EngineConfig(dtype=DTYPE, num_threads=2, enforce_eager=enforce_eager))
     g = torch.Generator().manual_seed(B)
     for p in torch.randint(100, 40000, (B, 128), generator=g).tolist():
@@ -34,13 +36,15 @@ def step_ms(enforce_eager: bool) -> float:
     for _ in range(64): e.step()      # contexts ~ 128 + 64: the middle of a 128/128 run
     acc.clear(); t = time.perf_counter()
     for _ in range(n): e.step()
-    return (time.perf_counter() - t) / n
+    return (time.perf_counter() - t) / n, e
 
 
-total = step_ms(True)
+total, _ = step_s(True)
 print(f"batch {B}, {DTYPE}: decode step {total*1e3:.1f} ms eager")
 for k, v in acc.most_common():
     print(f"  {k}: {v/n*1e3:.1f} ms ({v/n/total:.0%})")
 rest = total - sum(v for k, v in acc.items() if not k.startswith(" ")) / n
 print(f"  rest (norms, RoPE, residuals, SwiGLU activation, scheduler, detokenizer, Python): {rest*1e3:.1f} ms ({rest/total:.0%})")
-print(f"replayed (step_graph.py): decode step {step_ms(False)*1e3:.1f} ms")
+replayed, e = step_s(False)
+print(f"replayed (step_graph.py): decode step {replayed*1e3:.1f} ms")
+print_replayed(e, B, replayed, {"LM head" if k.startswith("linears") else k: v / n for k, v in acc.items()})
