@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Tessera against the servers a user would otherwise pick, on this machine, one server at a
 # time, the same client (`tessera bench serve`) and workload: 64 prompts x 128 in / 128 out all
-# at once, then 8 prompts one at a time; greedy, ignore_eos, weights of SmolLM2-135M in $DTYPE
+# at once, then 8 prompts one at a time (NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN change the first and
+# the lengths of both); greedy, ignore_eos, weights of SmolLM2-135M in $DTYPE
 # (default bfloat16; float32 where the CPU has no native bf16); QUANT=int4|int8 serves Tessera's
 # linears weight-only quantized (`tessera serve --quantization`, quantized at load from the same
 # weights); the other servers stay dense. AVX2=1: see below.
@@ -26,6 +27,7 @@ if [ "${AVX2:-}" = 1 ]; then
   DTYPE=${DTYPE:-float32}
 fi
 DTYPE=${DTYPE:-bfloat16}
+NUM_PROMPTS=${NUM_PROMPTS:-64} INPUT_LEN=${INPUT_LEN:-128} OUTPUT_LEN=${OUTPUT_LEN:-128}
 T=.venv/bin/tessera
 export HF_HUB_OFFLINE=1
 
@@ -40,11 +42,11 @@ stop() {      # pid: SIGTERM, then wait for the whole group
 }
 
 bench() {     # name port (the model: the first one the server lists)
-  $T bench serve --base-url "http://127.0.0.1:$2" --num-prompts 64 --input-len 128 \
-      --output-len 128 --json > "$OUT/$1-64.json" 2> "$OUT/$1-64.err"
-  # other prompts than the 64 above (--seed 1): the same ones again would be prefix-cache hits
+  $T bench serve --base-url "http://127.0.0.1:$2" --num-prompts "$NUM_PROMPTS" --input-len "$INPUT_LEN" \
+      --output-len "$OUTPUT_LEN" --json > "$OUT/$1-64.json" 2> "$OUT/$1-64.err"
+  # other prompts than the ones above (--seed 1): the same ones again would be prefix-cache hits
   $T bench serve --base-url "http://127.0.0.1:$2" --num-prompts 8 --concurrency 1 --seed 1 \
-      --input-len 128 --output-len 128 --json > "$OUT/$1-c1.json" 2> "$OUT/$1-c1.err"
+      --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --json > "$OUT/$1-c1.json" 2> "$OUT/$1-c1.err"
   echo "$1: $(grep -h -m1 '"output_tok_s"' "$OUT/$1-64.json")"
 }
 
@@ -76,14 +78,14 @@ run_vllm() {           # vLLM's own server on the same weights (HF directory wri
   local cli=../shared/peers/vllm_cli.py
   VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2 VLLM_HOST_IP=127.0.0.1 \
     setsid .venv-vllm/bin/python "$cli" serve "$model" --dtype "$DTYPE" --host 127.0.0.1 --port 8102 \
-    --max-model-len 1024 --served-model-name smollm2 > "$OUT/vllm.log" 2>&1 & local pid=$!
+    --max-model-len $((INPUT_LEN + OUTPUT_LEN > 1024 ? INPUT_LEN + OUTPUT_LEN : 1024)) --served-model-name smollm2 > "$OUT/vllm.log" 2>&1 & local pid=$!
   wait_up 8102 && bench vllm 8102
   stop $pid
 }
 
 run_transformers() {   # in-process generate on the same dense weights, no HTTP
-  $T bench engine --batch-sizes "" --hf-reference 1,64 --hf-dtype "$DTYPE" --input-len 128 \
-      --output-len 128 --json > "$OUT/transformers.json"
+  $T bench engine --batch-sizes "" --hf-reference 1,$NUM_PROMPTS --hf-dtype "$DTYPE" --input-len "$INPUT_LEN" \
+      --output-len "$OUTPUT_LEN" --json > "$OUT/transformers.json"
   echo "transformers: $(tr -d '\n ' < "$OUT/transformers.json")"
 }
 
