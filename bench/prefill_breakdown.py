@@ -12,7 +12,6 @@ import sys
 import time
 
 import torch
-from replayed import print_replayed
 
 import tessera.engine as E
 import tessera.layers.attention as A
@@ -24,6 +23,9 @@ import tessera.models.driver as D
 import tessera.models.llama as LL
 from tessera.config import EngineConfig, SamplingParams
 from tessera.engine import Engine
+from tessera.step_graph import MAX_TOKENS
+
+from replayed import print_replayed   # bench/, the script's own folder, is on sys.path
 
 acc: collections.Counter = collections.Counter()
 
@@ -38,7 +40,7 @@ def timed(name, f):
 
 
 L.Linear.forward = timed("linears", L.Linear.forward)
-LL.paged_attention = timed("attention (KV write + SDPA)", A.paged_attention)
+LL.paged_attention = timed("attention (KV write + paged kernel or SDPA)", A.paged_attention)
 N.RMSNorm.forward = timed("RMSNorm", N.RMSNorm.forward)
 MLP.silu_mul = timed("SwiGLU activation", MLP.silu_mul)
 LL.apply_rope = timed("RoPE", LL.apply_rope)
@@ -52,7 +54,7 @@ DTYPE = sys.argv[2] if len(sys.argv) > 2 else "bfloat16"
 
 
 def prompt_steps(enforce_eager: bool) -> tuple[float, dict, Engine]:
-    """Median step, median time per timer, and the engine."""
+    """Median, fastest and slowest step, median time per timer, and the engine."""
     e = Engine(EngineConfig(dtype=DTYPE, num_threads=2, enforce_eager=enforce_eager))
     g = torch.Generator().manual_seed(LEN)
     steps, parts = [], collections.defaultdict(list)
@@ -68,16 +70,19 @@ def prompt_steps(enforce_eager: bool) -> tuple[float, dict, Engine]:
                 parts[k].append(v)
         while e.has_unfinished:
             e.step()
-    return statistics.median(steps), {k: statistics.median(v) for k, v in parts.items()}, e
+    return (statistics.median(steps), min(steps), max(steps)), {k: statistics.median(v) for k, v in parts.items()}, e
 
 
-total, parts, _ = prompt_steps(True)
-print(f"{LEN}-token prompt, {DTYPE}: step {total*1e3:.1f} ms median, eager")
+(total, fastest, slowest), parts, _ = prompt_steps(True)
+print(f"{LEN}-token prompt, {DTYPE}: step {total*1e3:.1f} ms median ({fastest*1e3:.1f}-{slowest*1e3:.1f}), eager")
 for k, m in sorted(parts.items(), key=lambda kv: -kv[1]):
     print(f"  {k}: {m*1e3:.1f} ms ({m/total:.0%})")
 rest = total - sum(parts.values())
 print(f"  rest (embedding, scheduler, Python between the calls): {rest*1e3:.1f} ms ({rest/total:.0%})")
-replayed, parts, e = prompt_steps(False)
-print(f"replayed (step_graph.py): step {replayed*1e3:.1f} ms median")
-if LEN in e.runner.graphs.graphs:   # the final norm and LM head (of the last token) run after the replay
-    print_replayed(e, LEN, replayed, {{"linears": "LM head", "RMSNorm": "final norm"}.get(k, k): v for k, v in parts.items()})
+if LEN > MAX_TOKENS:
+    sys.exit(f"(no replayed step: prompts over step_graph.MAX_TOKENS = {MAX_TOKENS} tokens run eagerly)")
+(replayed, fastest, slowest), parts, e = prompt_steps(False)
+print(f"replayed (step_graph.py): step {replayed*1e3:.1f} ms median ({fastest*1e3:.1f}-{slowest*1e3:.1f})")
+# after the replay, from Python: the final norm and the LM head of the last token
+outside = {{"linears": "LM head", "RMSNorm": "final norm"}.get(k, k): v for k, v in parts.items()}
+print_replayed(e, LEN, replayed, outside)

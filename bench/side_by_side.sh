@@ -7,7 +7,7 @@
 # linears weight-only quantized (`tessera serve --quantization`, quantized at load from the same
 # weights); the other servers stay dense. AVX2=1: see below.
 #   bash bench/side_by_side.sh [tessera|tessera-vllm|vllm|transformers]...   (default: all four)
-# Results: $OUT/<server>-{64,c1}.json (default OUT=/tmp/side_by_side; tessera-int4-... with QUANT). Needs `make setup-dev`;
+# Results: $OUT/<server>-{$NUM_PROMPTS,c1}.json (default OUT=/tmp/side_by_side; tessera-int4-... with QUANT). Needs `make setup-dev`;
 # tessera-vllm and vllm need `make setup-vllm`; vllm uses ../shared/peers/vllm_cli.py (vLLM's
 # own CLI, which asks for the version of a distribution named `vllm`) where present.
 set -euo pipefail
@@ -43,11 +43,11 @@ stop() {      # pid: SIGTERM, then wait for the whole group
 
 bench() {     # name port (the model: the first one the server lists)
   $T bench serve --base-url "http://127.0.0.1:$2" --num-prompts "$NUM_PROMPTS" --input-len "$INPUT_LEN" \
-      --output-len "$OUTPUT_LEN" --json > "$OUT/$1-64.json" 2> "$OUT/$1-64.err"
+      --output-len "$OUTPUT_LEN" --json > "$OUT/$1-$NUM_PROMPTS.json" 2> "$OUT/$1-$NUM_PROMPTS.err"
   # other prompts than the ones above (--seed 1): the same ones again would be prefix-cache hits
   $T bench serve --base-url "http://127.0.0.1:$2" --num-prompts 8 --concurrency 1 --seed 1 \
       --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --json > "$OUT/$1-c1.json" 2> "$OUT/$1-c1.err"
-  echo "$1: $(grep -h -m1 '"output_tok_s"' "$OUT/$1-64.json")"
+  echo "$1: $(grep -h -m1 '"output_tok_s"' "$OUT/$1-$NUM_PROMPTS.json")"
 }
 
 run_tessera() {
@@ -73,18 +73,18 @@ YAML
 }
 
 run_vllm() {           # vLLM's own server on the same weights (HF directory written by the vLLM worker)
-  local model
+  local model len=$((INPUT_LEN + OUTPUT_LEN > 1024 ? INPUT_LEN + OUTPUT_LEN : 1024))
   model=$(.venv-vllm/bin/python -c "from tessera.vllm_backend.hf_export import hf_directory; print(hf_directory('smollm2'))")
   local cli=../shared/peers/vllm_cli.py
   VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2 VLLM_HOST_IP=127.0.0.1 \
     setsid .venv-vllm/bin/python "$cli" serve "$model" --dtype "$DTYPE" --host 127.0.0.1 --port 8102 \
-    --max-model-len $((INPUT_LEN + OUTPUT_LEN > 1024 ? INPUT_LEN + OUTPUT_LEN : 1024)) --served-model-name smollm2 > "$OUT/vllm.log" 2>&1 & local pid=$!
+    --max-model-len "$len" --served-model-name smollm2 > "$OUT/vllm.log" 2>&1 & local pid=$!
   wait_up 8102 && bench vllm 8102
   stop $pid
 }
 
 run_transformers() {   # in-process generate on the same dense weights, no HTTP
-  $T bench engine --batch-sizes "" --hf-reference 1,$NUM_PROMPTS --hf-dtype "$DTYPE" --input-len "$INPUT_LEN" \
+  $T bench engine --batch-sizes "" --hf-reference "1,$NUM_PROMPTS" --hf-dtype "$DTYPE" --input-len "$INPUT_LEN" \
       --output-len "$OUTPUT_LEN" --json > "$OUT/transformers.json"
   echo "transformers: $(tr -d '\n ' < "$OUT/transformers.json")"
 }

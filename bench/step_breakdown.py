@@ -6,11 +6,11 @@ LM head, sampling and batch tensors, which run from Python after the replay.
     .venv/bin/python bench/step_breakdown.py 64 [float32]   # bfloat16 unless given; 2 threads, context ~190
 """
 import sys, time, collections, torch
-from replayed import print_replayed
 from tessera.config import EngineConfig, SamplingParams
 from tessera.engine import Engine
 import tessera.layers.linear as L, tessera.layers.attention as A, tessera.models.llama as LL, tessera.engine as E
 import tessera.models.driver as D, tessera.batch as BT, tessera.model_runner as MR
+from replayed import print_replayed   # bench/, the script's own folder, is on sys.path
 acc = collections.Counter()
 def timed(name, f):
     def g(*a, **k):
@@ -47,4 +47,7 @@ rest = total - sum(v for k, v in acc.items() if not k.startswith(" ")) / n
 print(f"  rest (norms, RoPE, residuals, SwiGLU activation, scheduler, detokenizer, Python): {rest*1e3:.1f} ms ({rest/total:.0%})")
 replayed, e = step_s(False)
 print(f"replayed (step_graph.py): decode step {replayed*1e3:.1f} ms")
-print_replayed(e, B, replayed, {"LM head" if k.startswith("linears") else k: v / n for k, v in acc.items()})
+if B not in e.runner.graphs.graphs:
+    sys.exit(f"(no graph of {B} rows was kept: see the engine's log)")
+outside = {"LM head" if k.startswith("linears") else k: v / n for k, v in acc.items()}   # after the replay
+print_replayed(e, B, replayed, outside)
