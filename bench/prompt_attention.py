@@ -1,7 +1,7 @@
 """The paged attention kernel on one prompt's rows alone (each row attends to the tokens up to
 itself, as in a prompt step), SmolLM2's heads (9 query, 3 KV, 64 wide), a bf16 cache in 16-token
 blocks at random places: milliseconds per layer, and GFLOP/s of the causal products (QK and PV).
-    .venv/bin/python bench/prompt_attention.py [LEN] [CALLS]     # 1024 tokens, 50 calls
+    .venv/bin/python bench/prompt_attention.py [LEN] [CALLS] [float32]   # 1024 tokens, 50 calls, bf16
 """
 import sys
 import time
@@ -12,19 +12,20 @@ from tessera_kernels import paged_attention_cpu
 
 LEN = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
 CALLS = int(sys.argv[2]) if len(sys.argv) > 2 else 50
+DTYPE = getattr(torch, sys.argv[3]) if len(sys.argv) > 3 else torch.bfloat16
 H, KV, D, BLOCK, SLOTS = 9, 3, 64, 16, 8192
 
 torch.set_num_threads(2)
 g = torch.Generator().manual_seed(0)
-k_cache = torch.randn(KV, SLOTS, D, generator=g).bfloat16()
-v_cache = torch.randn(KV, SLOTS, D, generator=g).bfloat16()
+k_cache = torch.randn(KV, SLOTS, D, generator=g).to(DTYPE)
+v_cache = torch.randn(KV, SLOTS, D, generator=g).to(DTYPE)
 blocks = torch.randperm(SLOTS // BLOCK, generator=g)[:(LEN + BLOCK - 1) // BLOCK]
 tables, lens = blocks.repeat(LEN, 1), torch.arange(1, LEN + 1)
-q = torch.randn(LEN, H, D, generator=g).bfloat16()
+q = torch.randn(LEN, H, D, generator=g).to(DTYPE)
 paged_attention_cpu.paged_decode_attention(q, k_cache, v_cache, tables, lens, BLOCK, D ** -0.5)
 t = time.perf_counter()
 for _ in range(CALLS):
     paged_attention_cpu.paged_decode_attention(q, k_cache, v_cache, tables, lens, BLOCK, D ** -0.5)
 per_call = (time.perf_counter() - t) / CALLS
 flops = LEN * (LEN + 1) / 2 * H * D * 2 * 2
-print(f"{LEN}-token prompt: {per_call * 1e3:.2f} ms a layer, {flops / per_call / 1e9:.0f} GFLOP/s of causal products")
+print(f"{LEN}-token prompt, {str(DTYPE).removeprefix('torch.')}: {per_call * 1e3:.2f} ms a layer, {flops / per_call / 1e9:.0f} GFLOP/s of causal products")
