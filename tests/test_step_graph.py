@@ -184,19 +184,24 @@ def test_prompt_steps_are_recorded_and_replayed_like_decode_steps(dtype):
     assert graphs.graphs[21].verified and not graphs.dropped
 
 
-def test_a_batch_size_is_recorded_again_after_the_pool_grows():
-    """Sizes 1, 2, 1, 3, 1: each larger size grows the pool and drops the graphs made from the
-    old one; size 1 is recorded again each time and serves in the end."""
+def test_the_first_overflow_sizes_the_pool_for_the_largest_step():
+    """Sizes 1, 2, 1, 3, 1 (each a prompt of 4 tokens a request, then decode steps): the first
+    recording overflows the empty pool, which grows to what a step of max_tokens takes (the
+    first step's bytes per token times max_tokens), so no later step grows it or drops a graph:
+    size 1's graph is recorded once and serves to the end."""
     engine = Engine(EngineConfig(dtype="bfloat16", num_threads=2))
     graphs = engine.runner.graphs
     if _recordable_sizes(engine, (1, 2, 3)) != {1, 2, 3}:
         pytest.skip("a linear of these sizes is not a C kernel on this CPU")
-    for n in (1, 2, 1, 3, 1):
+    _generate(engine, False, [[100, 7, 8, 9]], [6])
+    one, size = graphs.graphs[1], graphs.pool.buffer.numel()
+    for n in (2, 1, 3, 1):
         _generate(engine, False, [[100 + i, 7, 8, 9] for i in range(n)], [6] * n)
-    assert 1 in graphs.graphs and graphs.graphs[1].verified and not graphs.dropped
+    _generate(engine, False, [list(range(100, 100 + graphs.max_tokens))], [2])   # the largest step
+    assert graphs.graphs[1] is one and one.verified and not graphs.dropped
+    assert graphs.pool.buffer.numel() == size and {8, 12, graphs.max_tokens} <= set(graphs.graphs)
     # a size refused once: its first step packed a weight for the AMX or register tiles
     assert all(n == 1 for n in graphs.refusals.values())
-    assert graphs.pool.buffer.numel() >= graphs.pool.used > 0
 
 
 def test_a_step_with_torch_ops_is_not_recorded_and_stays_exact(tiny_models):

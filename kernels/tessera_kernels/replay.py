@@ -152,8 +152,10 @@ class Pool:
         """Whether the last recording needed more than the pool holds."""
         return self.used > self.buffer.numel()
 
-    def grow(self) -> None:
-        self.buffer = torch.empty(max(self.used, 2 * self.buffer.numel()), dtype=torch.uint8)
+    def grow(self, expected: int = 0) -> None:
+        """Room for the last recording, for `expected` bytes (what the caller foresees its largest
+        recording taking), and at least twice as much as before."""
+        self.buffer = torch.empty(max(self.used, expected, 2 * self.buffer.numel()), dtype=torch.uint8)
 
 
 class _Guard(TorchDispatchMode):

@@ -43,11 +43,13 @@ log = logging.getLogger(__name__)
 
 # Graphs for steps of 1..MAX_TOKENS tokens (more run eagerly): attention keeps prompt chunks
 # on the paged kernel in such steps (torch's SDPA, which cannot be recorded, takes them in
-# larger ones on AMX). The memory of the largest graph's buffers grows with it: SmolLM2 in
-# bf16, ~0.58 MB a token.
+# larger ones on AMX). The buffers of the largest graph grow with it: SmolLM2 in bf16, 0.58 MB
+# a token (147 MB at 256).
 MAX_TOKENS = PROMPTS_ON_KERNEL_UP_TO
 _ATTEMPTS = 2        # refused recordings per token count before it stays eager (a second chance
                      # for a refusal that came from work made once, outside replay.paused())
+# bytes beyond a step's tokens times its bytes per token: each buffer starts on a cache line
+_ALIGNMENT_SLACK = 1 << 20
 REFUSED_SIZES = 4    # token counts refused with no graph kept: the model's steps cannot be recorded
 
 
@@ -120,8 +122,9 @@ class StepGraph:
 class StepGraphs:
     """The graphs of one model and KV cache, one per token count up to max_tokens, made on
     first need; `forward` is driver.forward's contract. One graph runs at a time, so they share
-    their inputs (Inputs) and one pool for their intermediate buffers, as large as the largest
-    graph needs (SmolLM2 in bf16: ~0.58 MB a token, held besides the KV cache)."""
+    their inputs (Inputs) and one pool for their intermediate buffers, sized at the first
+    recording for a step of max_tokens (SmolLM2 in bf16: 0.58 MB a token, 147 MB, held besides
+    the KV cache; its pages are touched as steps of as many tokens come)."""
 
     def __init__(self, model: CausalLM, kv_caches: KVCaches, max_blocks: int, max_step_tokens: int) -> None:
         self.model, self.kv_caches, self.max_blocks = model, kv_caches, max_blocks
@@ -170,9 +173,14 @@ class StepGraphs:
             self.refusals[T] = self.refusals.get(T, 0) + 1
             log.info("step of %d tokens not recorded (%s): it runs eagerly", T, refused)
         elif self.pool.overflowed:
-            # a larger pool for the next recordings; the graphs made from the old one are made
-            # again at their next step
-            self.pool.grow()
+            # A larger pool for the next recordings; the graphs made from the old one are made
+            # again at their next step. A step's buffers grow in proportion to its tokens (SmolLM2
+            # in bf16: 576,000 bytes a token at every count), so the pool is sized for the largest
+            # step at the first overflow: the worker's warm-up makes it, and the first prompt of
+            # a user no longer grows the pool, drops the graphs and is recorded again (measured on
+            # Zen 4, `tessera serve`: the first three 128-token prompts took 183, 165 and 217 ms
+            # to their first token, the fourth 103).
+            self.pool.grow(-(-self.pool.used * self.max_tokens // T) + _ALIGNMENT_SLACK)
             self.graphs.clear()
         else:
             self.graphs[T] = graph
