@@ -181,13 +181,13 @@ static inline __attribute__((always_inline)) void attend_tile(const uint16_t *q,
         size_t row_bytes, tile_buffers buf, uint16_t *out, int64_t out_stride) {
     const int n = D / 16, pairs = D / 2;
     const int64_t L = L0 + R - 1, Lp = (L + 15) / 16 * 16;
-    for (int g = 0; g < G; g++)
-        for (int c = 0; c < pairs; c++)
-            for (int i = 0; i < TILE; i++) {
-                uint32_t pair = 0;
-                if (i < R) memcpy(&pair, q + i * q_stride + g * D + 2 * c, sizeof pair);
-                buf.qpack[(g * pairs + c) * TILE + i] = pair;
-            }
+    for (int c0 = 0; c0 < G * pairs; c0 += 16) {   /* the G heads' column pairs, 16 at a time */
+        v16 cols[16];
+        for (int i = 0; i < TILE; i++)
+            cols[i] = i >= R ? (v16){0} : load16((const float *)(q + i * q_stride) + c0);   /* as bits */
+        transpose16(cols);
+        memcpy(buf.qpack + c0 * TILE, cols, sizeof cols);
+    }
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 scale16 = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
     __m512 mx[64];
@@ -323,8 +323,7 @@ static inline void load_row(const char *head, int64_t slot, int D, int bf16, v16
 typedef struct {
     float *scores;   /* [G][Lp][TILE] */
     v16 *qpack;      /* [G][D]: column c of the tile's rows */
-    float *rows;     /* [16][D]: a bf16 cache's 16 K or V rows widened */
-    v16 *acc;        /* [G][D]: 16 rows' sums for column d */
+    float *rows;     /* [Lp][D]: the K rows of 16 tokens, then the V rows of all, as float32 */
 } tile_f32_buffers;
 
 static const float ZERO_ROW_F32[256] __attribute__((aligned(64))) = {0};   /* a token past the context */
@@ -334,8 +333,14 @@ static const float ZERO_ROW_F32[256] __attribute__((aligned(64))) = {0};   /* a 
  * broadcast of AVX2's 16. D is a multiple of both. */
 #if defined(__AVX512F__)
 #define JB 16
+/* x stays in a register: GCC would fold its load into every FMA that uses it (a 512-bit load
+ * per FMA, where Zen 4 makes one a cycle) */
+#define IN_REGISTER(x) __asm__("" : "+v"(x))
+#define V_COLS 16   /* column vectors of a V-pass block: 4 x 4 for 64-wide heads (8 loads a 16 FMAs) */
 #else
 #define JB 4
+#define IN_REGISTER(x) (void)0
+#define V_COLS 1    /* 4 rows x 16 columns: V read 4 times a head, not 16 (1 x 4 was 30 % slower at 1024 tokens) */
 #endif
 
 /* Token t's row as float32: in place for a float32 cache, else widened into buf. */
@@ -363,13 +368,13 @@ static inline __attribute__((always_inline)) void attend_tile_f32(const char *q,
         float scale, int bf16, size_t row_bytes, tile_f32_buffers buf, char *out, int64_t out_stride) {
     const int n = D / 16;
     const int64_t L = L0 + R - 1, Lp = (L + 15) / 16 * 16;
-    for (int g = 0; g < G; g++)
-        for (int c = 0; c < D; c++)
-            for (int i = 0; i < TILE; i++) {
-                const int64_t at = i * q_stride + g * D + c;
-                buf.qpack[g * D + c][i] = i >= R ? 0.0f
-                    : bf16 ? bf16_to_f32(((const uint16_t *)q)[at]) : ((const float *)q)[at];
-            }
+    for (int c0 = 0; c0 < G * D; c0 += 16) {   /* the G heads' columns, 16 at a time */
+        v16 *cols = buf.qpack + c0;
+        for (int i = 0; i < TILE; i++)
+            cols[i] = i >= R ? (v16){0} : bf16 ? widen((const uint16_t *)q + i * q_stride + c0)
+                                                : load16((const float *)q + i * q_stride + c0);
+        transpose16(cols);
+    }
     const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     const v16 minus_inf = (v16){0} - INFINITY;
     v16 mx[64];
@@ -400,46 +405,57 @@ static inline __attribute__((always_inline)) void attend_tile_f32(const char *q,
             }
         }
     }
-    /* The V pass the same way round: out[row, g, d] = sum_t p[g, t, row] V[t, d], the rows
-     * as lanes, each V value broadcast to 16 rows; acc[g][d] holds 16 rows' sums. */
+    /* The probabilities of every token (in place of the scores) and each row's sum; then the
+     * V pass a block of rows at a time, D's columns as the lanes: V row t (read once, widened
+     * once per tile) feeds rb rows, each row's probability broadcast, rb x cb sums in registers
+     * over the whole context. Each sum still runs over the tokens in order and is divided by
+     * its row's sum, so the bits are those of the rows-as-lanes V pass it replaced, which
+     * loaded a probability vector and a broadcast V value for every FMA and left 16 rows' sums
+     * to be transposed out. With q packed by transpose16 (it was a scalar loop), AMD EPYC
+     * Zen 4, 2 threads, SmolLM2's heads, one prompt's rows, a bf16 cache (TESSERA_BF16_TILES=fma,
+     * best of 15, processes interleaved), us a layer: 64 tokens 61-102 -> 47-53, 128 162-189 ->
+     * 144-164, 256 517-557 -> 465-499, 1024 7165-7819 -> 6912-7379; float32 at 128 162-167 ->
+     * 137; the AVX2 build (TESSERA_MARCH=haswell, float32) 128 193-198 -> 168-174, 1024
+     * 9399-9466 -> 8559-8608. The same bits in every case. */
     v16 sums[64];
-    for (int g = 0; g < G; g++) sums[g] = (v16){0};
-    for (int k = 0; k < G * D; k++) buf.acc[k] = (v16){0};
-    for (int64_t t0 = 0; t0 < L; t0 += 16) {
-        for (int j = 0; j < 16; j++) copy_row_f32(vh, table, t0 + j, L, D, block_size, bf16, buf.rows + j * D);
-        const float *v = buf.rows;   /* [16][D] */
-        for (int g = 0; g < G; g++) {
-            float *p = buf.scores + ((int64_t)g * Lp + t0) * TILE;   /* [16 tokens][TILE rows] */
-            for (int j = 0; j < 16; j++) {
-                const v16 s = load16(p + j * TILE);
-                const v16 e = select16(s != minus_inf, exp16(s - mx[g]), (v16){0});
-                sums[g] += e;
-                store16(p + j * TILE, e);
-            }
-            for (int d0 = 0; d0 < D; d0 += JB) {
-                v16 a[JB];
-                for (int d = 0; d < JB; d++) a[d] = buf.acc[g * D + d0 + d];
-                for (int j = 0; j < 16; j++) {
-                    const v16 pj = load16(p + j * TILE);
-                    #pragma GCC unroll 16
-                    for (int d = 0; d < JB; d++) a[d] += pj * v[j * D + d0 + d];
-                }
-                for (int d = 0; d < JB; d++) buf.acc[g * D + d0 + d] = a[d];
-            }
+    for (int g = 0; g < G; g++) {
+        sums[g] = (v16){0};
+        float *p = buf.scores + (int64_t)g * Lp * TILE;   /* [Lp tokens][TILE rows] */
+        for (int64_t t = 0; t < L; t++) {
+            const v16 s = load16(p + t * TILE);
+            const v16 e = select16(s != minus_inf, exp16(s - mx[g]), (v16){0});
+            sums[g] += e;
+            store16(p + t * TILE, e);
         }
     }
-    for (int g = 0; g < G; g++)
-        for (int d = 0; d < D; d++) buf.acc[g * D + d] /= sums[g];
-    for (int i = 0; i < R; i++)
-        for (int g = 0; g < G; g++) {
-            float row[256];
-            for (int d = 0; d < D; d++) row[d] = buf.acc[g * D + d][i];
-            for (int c = 0; c < n; c++) {
-                const int64_t at = i * out_stride + g * D + 16 * c;
-                if (bf16) round_to_bf16(load16(row + 16 * c), (uint16_t *)out + at);
-                else store16((float *)out + at, load16(row + 16 * c));
+    for (int64_t t = 0; t < L; t++) copy_row_f32(vh, table, t, L, D, block_size, bf16, buf.rows + t * D);
+    const int cb = n < V_COLS ? n : V_COLS, rb = JB / cb;   /* a block: rb rows x cb column vectors */
+    for (int g = 0; g < G; g++) {
+        float total[16];
+        store16(total, sums[g]);
+        const float *p = buf.scores + (int64_t)g * Lp * TILE;
+        for (int i0 = 0; i0 < R; i0 += rb)
+            for (int c0 = 0; c0 < n; c0 += cb) {
+                v16 o[JB];   /* o[r * cb + c]: row i0 + r, columns 16 (c0 + c) on; rows past R summed and dropped */
+                for (int k = 0; k < rb * cb; k++) o[k] = (v16){0};
+                for (int64_t t = 0; t < L; t++) {
+                    v16 v[JB];   /* V row t's columns, loaded once for the rb rows */
+                    for (int c = 0; c < cb; c++) {
+                        v[c] = load16(buf.rows + t * D + 16 * (c0 + c));
+                        IN_REGISTER(v[c]);
+                    }
+                    for (int r = 0; r < rb; r++)
+                        for (int c = 0; c < cb; c++) o[r * cb + c] += v[c] * p[t * TILE + i0 + r];
+                }
+                for (int r = 0; r < rb && i0 + r < R; r++)
+                    for (int c = 0; c < cb; c++) {
+                        const v16 row = o[r * cb + c] / splat16(total[i0 + r]);
+                        const int64_t at = (i0 + r) * out_stride + g * D + 16 * (c0 + c);
+                        if (bf16) round_to_bf16(row, (uint16_t *)out + at);
+                        else store16((float *)out + at, row);
+                    }
             }
-        }
+    }
 }
 
 /* attend_tile_f32 with G and D as constants where models use them (as attend_any). */
@@ -682,15 +698,13 @@ void paged_decode_attention(const void *q, const void *k_cache, const void *v_ca
 #endif
         tile_f32_buffers tf = {0};
         if (n_tiles && !tile_bf16) {
-            const size_t sizes[4] = {sizeof(float) * G * Lp * TILE, sizeof(v16) * G * D, sizeof(float) * 16 * D,
-                                     sizeof(v16) * G * D};
+            const size_t sizes[3] = {sizeof(float) * G * Lp * TILE, sizeof(v16) * G * D, sizeof(float) * Lp * D};
             size_t total = 0;
-            for (int i = 0; i < 4; i++) total += (sizes[i] + 63) / 64 * 64;
+            for (int i = 0; i < 3; i++) total += (sizes[i] + 63) / 64 * 64;
             char *m = (char *)(tile_mem = aligned_alloc(64, total));
             tf.scores = (float *)m; m += (sizes[0] + 63) / 64 * 64;
             tf.qpack = (v16 *)m; m += (sizes[1] + 63) / 64 * 64;
-            tf.rows = (float *)m; m += (sizes[2] + 63) / 64 * 64;
-            tf.acc = (v16 *)m;
+            tf.rows = (float *)m;
         }
         /* Dynamic scheduling, each thread holding the claim on its next task while it runs
          * this one, so it knows which rows to ask for. */

@@ -87,6 +87,16 @@ static inline v16 sum16x16(const v16 *r) {
     for (int i = 0; i < 2; i++) z[i] = fold2(y[2 * i], y[2 * i + 1]);
     return fold1(z[0], z[1]);
 }
+/* r[i][k] -> r[k][i] (through memory: the prompt tiles' q, once per tile). */
+static inline void transpose16(v16 *r) {
+    float m[16][16];
+    for (int i = 0; i < 16; i++) store16(m[i], r[i]);
+    for (int k = 0; k < 16; k++) {
+        float col[16];
+        for (int i = 0; i < 16; i++) col[i] = m[i][k];
+        r[k] = load16(col);
+    }
+}
 #else
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
@@ -203,6 +213,27 @@ static inline v16 sum16x16(const v16 *r) {
     for (int i = 0; i < 4; i++) y[i] = FOLD(x[2 * i], x[2 * i + 1], M4L, M4H);
     for (int i = 0; i < 2; i++) z[i] = FOLD(y[2 * i], y[2 * i + 1], M2L, M2H);
     return FOLD(z[0], z[1], M1L, M1H);
+}
+/* r[i][k] -> r[k][i], 16 x 16 lanes moved bit for bit: each stage swaps the off-diagonal
+ * blocks of 8, 4, 2, then 1 lanes of two rows (two two-vector shuffles, vpermt2ps). */
+static inline void transpose16(v16 *r) {
+    static const v16i lo[4] = {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+                               {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+                               {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+                               {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}};
+    static const v16i hi[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+                               {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
+                               {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
+                               {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}};
+    #pragma GCC unroll 4
+    for (int stage = 0, s = 8; stage < 4; stage++, s /= 2)
+        #pragma GCC unroll 16
+        for (int i = 0; i < 16; i++)
+            if (!(i & s)) {
+                const v16 a = r[i], b = r[i + s];
+                r[i] = __builtin_shuffle(a, b, lo[stage]);
+                r[i + s] = __builtin_shuffle(a, b, hi[stage]);
+            }
 }
 
 #endif
