@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tessera import cluster_auth
+from tessera.gc_heap import freeze_startup_heap
 
 
 async def serve_until_signal(add_servicer: Callable[[grpc.aio.Server], None], service: str, host: str, port: int,
@@ -30,6 +31,7 @@ async def serve_until_signal(add_servicer: Callable[[grpc.aio.Server], None], se
         asyncio.get_running_loop().add_signal_handler(sig, stopping.set)
     await server.start()
     tasks = [asyncio.create_task(c) for c in background]
+    freeze_startup_heap()
     ready(bound)
     await stopping.wait()
     for task in tasks:

@@ -15,6 +15,7 @@ from tessera.disagg.control import LinkRefused
 from tessera.disagg.expert_node import ExpertNode
 from tessera.disagg.expert_shard import ExpertShard, expert_set, keep_ffn_share
 from tessera.engine import resolve_dtype
+from tessera.gc_heap import freeze_startup_heap
 from tessera.models.loader import load_model, model_id_for
 from tessera.rpc import convert
 from tessera.rpc.v1 import expert_pb2_grpc
@@ -77,6 +78,7 @@ def serve(node: ExpertNode, host: str, port: int, shutdown_grace_s: float = 30.0
         signal.signal(sig, drain)
     server.start()
     log.info("expert node %s (shard %d/%d) on %s:%d", node.name, node.shard_index, node.shard_count, host, bound)
+    freeze_startup_heap()
     print(f"tessera expert node {node.name} ready on {host}:{bound}", flush=True)
     try:
         server.wait_for_termination()

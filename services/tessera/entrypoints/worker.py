@@ -16,6 +16,7 @@ from tessera import cluster_auth, logs
 from tessera.async_engine import AsyncEngine
 from tessera.config import ConfigError, EngineConfig
 from tessera.engine import Engine
+from tessera.gc_heap import freeze_startup_heap
 from tessera.rpc import convert, options
 from tessera.rpc.v1 import worker_pb2, worker_pb2_grpc
 from tessera.worker_api import InternalError, InvalidRequest, Unavailable, WorkerError
@@ -205,6 +206,7 @@ async def serve(config: EngineConfig, host: str, port: int, build=None, role: st
     tasks = [asyncio.create_task(_watch_health(engine, health_servicer))]
     if registration:
         tasks.append(asyncio.create_task(_register(engine, config, role, registration)))
+    freeze_startup_heap()   # the engine is built and warmed: its objects stay
     log.info("worker %s serving on %s:%d", engine.info().model_id, host, bound)
     print(f"tessera worker ready on {host}:{bound}", flush=True)
     try:

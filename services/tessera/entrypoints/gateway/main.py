@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from tessera.batch_jobs.config import BatchConfig
 from tessera.entrypoints.gateway.admission import Admission, AdmissionConfig, digest
+from tessera.gc_heap import freeze_startup_heap
 
 # Flags of AdmissionConfig (help from its fields' comments; a new field gets --its-name).
 # require_key follows from the keys given (with_keys).
@@ -82,6 +83,7 @@ def main(config: GatewayConfig, admission: AdmissionConfig) -> int:
     app = create_app(client, config.served_model_name or model, background,
                      Admission(admission, registry_url, config.registry_prefix),
                      BatchAPI.build(config.batch, registry_url, config.registry_prefix))
+    freeze_startup_heap()
     print(f"tessera gateway on http://{config.host}:{config.port} -> {source} ({model})", flush=True)
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning",
                 timeout_graceful_shutdown=config.shutdown_grace_s)
