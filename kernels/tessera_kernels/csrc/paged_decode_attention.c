@@ -429,7 +429,10 @@ static inline __attribute__((always_inline)) void attend_tile_f32(const char *q,
         }
     }
     for (int64_t t = 0; t < L; t++) copy_row_f32(vh, table, t, L, D, block_size, bf16, buf.rows + t * D);
-    const int cb = n < V_COLS ? n : V_COLS, rb = JB / cb;   /* a block: rb rows x cb column vectors */
+    /* a block: rb rows x cb column vectors, rb a power of two (the blocks tile the 16 rows) */
+    const int cb = n < V_COLS ? n : V_COLS;
+    int rb = 1;
+    while (2 * rb * cb <= JB) rb *= 2;
     for (int g = 0; g < G; g++) {
         float total[16];
         store16(total, sums[g]);
