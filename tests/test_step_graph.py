@@ -124,7 +124,7 @@ def _recordable_sizes(engine: Engine, sizes) -> set[int]:
                                                 ("float32", "int4")])
 def test_replayed_steps_give_the_eager_engines_tokens(dtype, quantization):
     """SmolLM2's real weights: one request, then five that finish at different steps (batch
-    sizes 5, 4, ..., 1 each recorded, checked and replayed, the pool grown on the way), and a
+    sizes 5, 4, ..., 1 each recorded, checked and replayed, the pool grown once on the way), and a
     batch over max_batch (eager). int4: its GEMV (up to 16 rows) is recorded as well in bf16;
     in float32 each int4 linear converts its input to bf16 (a torch op): no graphs."""
     engine = Engine(EngineConfig(dtype=dtype, quantization=quantization, num_threads=2, cache=_NO_PREFIX_CACHE))
@@ -185,13 +185,14 @@ def test_prompt_steps_are_recorded_and_replayed_like_decode_steps(dtype):
 
 
 def test_the_first_overflow_sizes_the_pool_for_the_largest_step():
-    """Sizes 1, 2, 1, 3, 1 (each a prompt of 4 tokens a request, then decode steps): the first
-    recording overflows the empty pool, which grows to what a step of max_tokens takes (the
-    first step's bytes per token times max_tokens), so no later step grows it or drops a graph:
-    size 1's graph is recorded once and serves to the end."""
+    """Sizes 1, 2, 1, 3, 1 (each a prompt of 4 tokens a request, then decode steps), then a
+    prompt of max_tokens: the first recording overflows the empty pool, which grows to what a
+    step of max_tokens takes (the first step's bytes per token times max_tokens), so no later
+    step grows it or drops a graph: size 1's graph is recorded once and serves to the end."""
     engine = Engine(EngineConfig(dtype="bfloat16", num_threads=2))
     graphs = engine.runner.graphs
-    if _recordable_sizes(engine, (1, 2, 3)) != {1, 2, 3}:
+    sizes = (1, 2, 3, 4, 8, 12, graphs.max_tokens)
+    if _recordable_sizes(engine, sizes) != set(sizes):
         pytest.skip("a linear of these sizes is not a C kernel on this CPU")
     _generate(engine, False, [[100, 7, 8, 9]], [6])
     one, size = graphs.graphs[1], graphs.pool.buffer.numel()
@@ -199,9 +200,9 @@ def test_the_first_overflow_sizes_the_pool_for_the_largest_step():
         _generate(engine, False, [[100 + i, 7, 8, 9] for i in range(n)], [6] * n)
     _generate(engine, False, [list(range(100, 100 + graphs.max_tokens))], [2])   # the largest step
     assert graphs.graphs[1] is one and one.verified and not graphs.dropped
-    assert graphs.pool.buffer.numel() == size and {8, 12, graphs.max_tokens} <= set(graphs.graphs)
-    # a size refused once: its first step packed a weight for the AMX or register tiles
-    assert all(n == 1 for n in graphs.refusals.values())
+    assert graphs.pool.buffer.numel() == size >= graphs.pool.used
+    # each larger size recorded (or refused once, which grows nothing)
+    assert all(T in graphs.graphs or graphs.refusals.get(T) == 1 for T in (8, 12, graphs.max_tokens))
 
 
 def test_a_step_with_torch_ops_is_not_recorded_and_stays_exact(tiny_models):

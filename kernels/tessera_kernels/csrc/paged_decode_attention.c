@@ -316,10 +316,11 @@ static inline void load_row(const char *head, int64_t slot, int D, int bf16, v16
 
 /* The rows of one prompt chunk, up to 16 at a time, in float32 FMAs: attend_tile's scheme
  * for every other cache (float32, or bf16 without AVX512-BF16; any vector unit, v16 being one
- * AVX-512 or two AVX2 registers). Row i is lane i: q packed as one vector per column, and
- * each score one chain of FMAs over the columns in order, a K value broadcast to 16 rows, so
- * no score needs a sum across lanes and the tile's K and V rows are read once for its rows.
- * All scores first (the exact max per row), then per row the V pass from the same rows in L1. */
+ * AVX-512 or two AVX2 registers). In the K pass row i is lane i: q packed as one vector per
+ * column, and each score one chain of FMAs over the columns in order, a K value broadcast to
+ * 16 rows, so no score needs a sum across lanes and the tile's K rows are read once for its
+ * rows. All scores first (the exact max per row), then the V pass with the columns as lanes,
+ * a block of rows at a time. */
 typedef struct {
     float *scores;   /* [G][Lp][TILE] */
     v16 *qpack;      /* [G][D]: column c of the tile's rows */
@@ -328,15 +329,15 @@ typedef struct {
 
 static const float ZERO_ROW_F32[256] __attribute__((aligned(64))) = {0};   /* a token past the context */
 
-/* Accumulators of a tile's inner loops (tokens of the K pass, columns of the V pass): 16 and
- * one more vector of 32 AVX-512 registers, or 4 two-register ones, a vector of q or p and a
- * broadcast of AVX2's 16. D is a multiple of both. */
+/* Accumulators of a tile's inner loops (tokens of the K pass; rows x column vectors of the V
+ * pass): 16 of 32 AVX-512 registers, or 4 two-register ones of AVX2's 16, besides a vector of
+ * q or V and a broadcast. */
 #if defined(__AVX512F__)
 #define JB 16
 /* x stays in a register: GCC would fold its load into every FMA that uses it (a 512-bit load
  * per FMA, where Zen 4 makes one a cycle) */
 #define IN_REGISTER(x) __asm__("" : "+v"(x))
-#define V_COLS 16   /* column vectors of a V-pass block: 4 x 4 for 64-wide heads (8 loads a 16 FMAs) */
+#define V_COLS 8    /* column vectors of a V-pass block at most: 4 x 4 for 64-wide heads (8 loads a 16 FMAs), 2 x 8 for 128 */
 #else
 #define JB 4
 #define IN_REGISTER(x) (void)0
@@ -429,9 +430,10 @@ static inline __attribute__((always_inline)) void attend_tile_f32(const char *q,
         }
     }
     for (int64_t t = 0; t < L; t++) copy_row_f32(vh, table, t, L, D, block_size, bf16, buf.rows + t * D);
-    /* a block: rb rows x cb column vectors, rb a power of two (the blocks tile the 16 rows) */
-    const int cb = n < V_COLS ? n : V_COLS;
-    int rb = 1;
+    /* a block: rb rows x cb column vectors, cb dividing n and rb a power of two (the blocks
+     * tile the columns and the 16 rows) */
+    int cb = n < V_COLS ? n : V_COLS, rb = 1;
+    while (n % cb) cb--;
     while (2 * rb * cb <= JB) rb *= 2;
     for (int g = 0; g < G; g++) {
         float total[16];
