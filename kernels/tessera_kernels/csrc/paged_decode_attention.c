@@ -324,8 +324,16 @@ static inline void load_row(const char *head, int64_t slot, int D, int bf16, v16
 typedef struct {
     float *scores;   /* [G][Lp][TILE] */
     v16 *qpack;      /* [G][D]: column c of the tile's rows */
-    float *rows;     /* [Lp][D]: the K rows of 16 tokens, then the V rows of all, as float32 */
+    float *rows;     /* [span_tokens(D)][D]: the K rows of 16 tokens, then the V rows of a span, as float32 */
+    v16 *acc;        /* [G][TILE][D/16]: the V pass's sums between spans (AVX2: [G][D], 16 rows each) */
 } tile_f32_buffers;
+
+/* Tokens whose float32 V rows (128 KiB) stay in L2 through a tile's V pass: 512 for 64-wide
+ * heads, 256 for 128-wide; at least 16, for the K pass's rows. */
+static inline int64_t span_tokens(int D) {
+    const int64_t span = (128 << 10) / ((int64_t)D * (int64_t)sizeof(float));
+    return span > 16 ? span : 16;
+}
 
 static const float ZERO_ROW_F32[256] __attribute__((aligned(64))) = {0};   /* a token past the context */
 
@@ -362,6 +370,18 @@ static inline void copy_row_f32(const char *head, const int64_t *table, int64_t 
                                 int block_size, int bf16, float *buf) {
     const float *r = row_f32(head, table, t, L, D, block_size, bf16, buf);
     if (r != buf) memcpy(buf, r, sizeof(float) * D);
+}
+
+/* Scores of `tokens` tokens ([tokens][TILE rows]) to probabilities in place, e^(s - max) (0
+ * where masked), each added to its row's sum in token order. */
+static inline void to_probabilities(float *p, int64_t tokens, v16 mx, v16 *sum) {
+    const v16 minus_inf = (v16){0} - INFINITY;
+    for (int64_t t = 0; t < tokens; t++) {
+        const v16 s = load16(p + t * TILE);
+        const v16 e = select16(s != minus_inf, exp16(s - mx), (v16){0});
+        *sum += e;
+        store16(p + t * TILE, e);
+    }
 }
 
 static inline __attribute__((always_inline)) void attend_tile_f32(const char *q, int64_t q_stride,
@@ -406,61 +426,102 @@ static inline __attribute__((always_inline)) void attend_tile_f32(const char *q,
             }
         }
     }
-    /* The probabilities of every token (in place of the scores) and each row's sum; then the
-     * V pass a block of rows at a time, D's columns as the lanes: V row t (read once, widened
-     * once per tile) feeds rb rows, each row's probability broadcast, rb x cb sums in registers
-     * over the whole context. Each sum still runs over the tokens in order and is divided by
-     * its row's sum, so the bits are those of the rows-as-lanes V pass it replaced, which
-     * loaded a probability vector and a broadcast V value for every FMA and left 16 rows' sums
-     * to be transposed out. With q packed by transpose16 (it was a scalar loop), AMD EPYC
-     * Zen 4, 2 threads, SmolLM2's heads, one prompt's rows, a bf16 cache (TESSERA_BF16_TILES=fma,
-     * best of 15, processes interleaved), us a layer: 64 tokens 61-102 -> 47-53, 128 162-189 ->
-     * 144-164, 256 517-557 -> 465-499, 1024 7165-7819 -> 6912-7379; float32 at 128 162-167 ->
-     * 137; the AVX2 build (TESSERA_MARCH=haswell, float32) 128 193-198 -> 168-174, 1024
-     * 9399-9466 -> 8559-8608. The same bits in every case. */
-    v16 sums[64];
-    for (int g = 0; g < G; g++) {
-        sums[g] = (v16){0};
-        float *p = buf.scores + (int64_t)g * Lp * TILE;   /* [Lp tokens][TILE rows] */
-        for (int64_t t = 0; t < L; t++) {
-            const v16 s = load16(p + t * TILE);
-            const v16 e = select16(s != minus_inf, exp16(s - mx[g]), (v16){0});
-            sums[g] += e;
-            store16(p + t * TILE, e);
-        }
-    }
-    for (int64_t t = 0; t < L; t++) copy_row_f32(vh, table, t, L, D, block_size, bf16, buf.rows + t * D);
-    /* a block: rb rows x cb column vectors, cb dividing n and rb a power of two (the blocks
-     * tile the columns and the 16 rows) */
-    int cb = n < V_COLS ? n : V_COLS, rb = 1;
-    while (n % cb) cb--;
-    while (2 * rb * cb <= JB) rb *= 2;
-    for (int g = 0; g < G; g++) {
-        float total[16];
-        store16(total, sums[g]);
-        const float *p = buf.scores + (int64_t)g * Lp * TILE;
-        for (int i0 = 0; i0 < R; i0 += rb)
-            for (int c0 = 0; c0 < n; c0 += cb) {
-                v16 o[JB];   /* o[r * cb + c]: row i0 + r, columns 16 (c0 + c) on; rows past R summed and dropped */
-                for (int k = 0; k < rb * cb; k++) o[k] = (v16){0};
-                for (int64_t t = 0; t < L; t++) {
-                    v16 v[JB];   /* V row t's columns, loaded once for the rb rows */
-                    for (int c = 0; c < cb; c++) {
-                        v[c] = load16(buf.rows + t * D + 16 * (c0 + c));
-                        IN_REGISTER(v[c]);
+    v16 sums[64];   /* each row's sum of its probabilities, over the tokens in order */
+    for (int g = 0; g < G; g++) sums[g] = (v16){0};
+#if defined(__AVX512F__)
+    for (int g = 0; g < G; g++) to_probabilities(buf.scores + (int64_t)g * Lp * TILE, L, mx[g], &sums[g]);
+    /* The V pass a block of rows at a time, D's columns as the lanes: V row t (widened once)
+     * feeds rb rows, each row's probability broadcast, rb x cb sums in registers, and the
+     * context a span of tokens at a time, whose V rows stay in L2 while every block of every
+     * head reads them (the sums wait in buf.acc between spans, stored and loaded exactly).
+     * Each sum runs over the tokens in order and is divided by its row's sum: the bits of the
+     * rows-as-lanes V pass below, which loads a probability vector and a broadcast V value
+     * for every FMA and leaves 16 rows' sums to be transposed out. AMD EPYC Zen 4, 2 threads,
+     * one prompt's rows, a bf16 cache (TESSERA_BF16_TILES=fma), best of 3-15, processes
+     * interleaved, SmolLM2's heads (9 x 64, 3 KV): 64 tokens 61-102 -> 47-53 us a layer, 128
+     * 162-189 -> 144-164, 256 517-557 -> 465-499, 1024 7.2-7.8 -> 6.9-7.4 ms; float32 at 128
+     * 162-167 -> 137 us; 8 x 128 (2 KV): 128 tokens 308-334 -> 244-264 us, 2048 47-49 ->
+     * 49-52 ms (whole-context passes, before the spans, read V from L3: 55-57). On AVX2 (16
+     * registers) the blocks were 2x slower than the pass below: it keeps that. */
+    const int cb = n <= V_COLS ? n : n % V_COLS == 0 ? V_COLS : n % 4 == 0 ? 4 : n % 2 == 0 ? 2 : 1;
+    const int fit = JB / cb;   /* (conditionals, not loops: constants where G and D are, so o stays in registers) */
+    const int rb = fit >= 16 ? 16 : fit >= 8 ? 8 : fit >= 4 ? 4 : fit >= 2 ? 2 : 1;
+    const int64_t span = span_tokens(D);
+    for (int64_t s0 = 0; s0 < L; s0 += span) {
+        const int64_t s1 = s0 + span < L ? s0 + span : L;
+        for (int64_t t = s0; t < s1; t++)
+            copy_row_f32(vh, table, t, L, D, block_size, bf16, buf.rows + (t - s0) * D);
+        for (int g = 0; g < G; g++) {
+            const float *p = buf.scores + (int64_t)g * Lp * TILE;
+            v16 *part = buf.acc + g * TILE * n;   /* [TILE rows][n]: the sums over the spans before */
+            float total[16];
+            store16(total, sums[g]);
+            for (int i0 = 0; i0 < R; i0 += rb)
+                for (int c0 = 0; c0 < n; c0 += cb) {
+                    v16 o[JB];   /* o[r * cb + c]: row i0 + r, columns 16 (c0 + c) on; rows past R summed and dropped */
+                    for (int k = 0; k < rb * cb; k++) o[k] = (v16){0};
+                    if (s0)
+                        for (int r = 0; r < rb; r++)
+                            for (int c = 0; c < cb; c++) o[r * cb + c] = part[(i0 + r) * n + c0 + c];
+                    for (int64_t t = s0; t < s1; t++) {
+                        v16 v[JB];   /* V row t's columns, loaded once for the rb rows */
+                        for (int c = 0; c < cb; c++) {
+                            v[c] = load16(buf.rows + (t - s0) * D + 16 * (c0 + c));
+                            IN_REGISTER(v[c]);
+                        }
+                        for (int r = 0; r < rb; r++)
+                            for (int c = 0; c < cb; c++) o[r * cb + c] += v[c] * p[t * TILE + i0 + r];
                     }
                     for (int r = 0; r < rb; r++)
-                        for (int c = 0; c < cb; c++) o[r * cb + c] += v[c] * p[t * TILE + i0 + r];
+                        for (int c = 0; c < cb; c++) {
+                            if (s1 < L) {
+                                part[(i0 + r) * n + c0 + c] = o[r * cb + c];
+                                continue;
+                            }
+                            if (i0 + r >= R) continue;
+                            const v16 row = o[r * cb + c] / splat16(total[i0 + r]);
+                            const int64_t at = (i0 + r) * out_stride + g * D + 16 * (c0 + c);
+                            if (bf16) round_to_bf16(row, (uint16_t *)out + at);
+                            else store16((float *)out + at, row);
+                        }
                 }
-                for (int r = 0; r < rb && i0 + r < R; r++)
-                    for (int c = 0; c < cb; c++) {
-                        const v16 row = o[r * cb + c] / splat16(total[i0 + r]);
-                        const int64_t at = (i0 + r) * out_stride + g * D + 16 * (c0 + c);
-                        if (bf16) round_to_bf16(row, (uint16_t *)out + at);
-                        else store16((float *)out + at, row);
-                    }
-            }
+        }
     }
+#else
+    /* The V pass the same way round as the K pass: out[row, g, d] = sum_t p[g, t, row] V[t, d],
+     * the rows as lanes, each V value broadcast to 16 rows; acc[g][d] holds 16 rows' sums. */
+    for (int k = 0; k < G * D; k++) buf.acc[k] = (v16){0};
+    for (int64_t t0 = 0; t0 < L; t0 += 16) {
+        for (int j = 0; j < 16; j++) copy_row_f32(vh, table, t0 + j, L, D, block_size, bf16, buf.rows + j * D);
+        const float *v = buf.rows;   /* [16][D] */
+        for (int g = 0; g < G; g++) {
+            float *p = buf.scores + ((int64_t)g * Lp + t0) * TILE;   /* [16 tokens][TILE rows] */
+            to_probabilities(p, 16, mx[g], &sums[g]);   /* here, while they are in L1 (15 % faster at 2048 tokens) */
+            for (int d0 = 0; d0 < D; d0 += JB) {
+                v16 a[JB];
+                for (int d = 0; d < JB; d++) a[d] = buf.acc[g * D + d0 + d];
+                for (int j = 0; j < 16; j++) {
+                    const v16 pj = load16(p + j * TILE);
+                    #pragma GCC unroll 16
+                    for (int d = 0; d < JB; d++) a[d] += pj * v[j * D + d0 + d];
+                }
+                for (int d = 0; d < JB; d++) buf.acc[g * D + d0 + d] = a[d];
+            }
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int d = 0; d < D; d++) buf.acc[g * D + d] /= sums[g];
+    for (int i = 0; i < R; i++)
+        for (int g = 0; g < G; g++) {
+            float row[256];
+            for (int d = 0; d < D; d++) row[d] = buf.acc[g * D + d][i];
+            for (int c = 0; c < n; c++) {
+                const int64_t at = i * out_stride + g * D + 16 * c;
+                if (bf16) round_to_bf16(load16(row + 16 * c), (uint16_t *)out + at);
+                else store16((float *)out + at, load16(row + 16 * c));
+            }
+        }
+#endif
 }
 
 /* attend_tile_f32 with G and D as constants where models use them (as attend_any). */
@@ -703,13 +764,15 @@ void paged_decode_attention(const void *q, const void *k_cache, const void *v_ca
 #endif
         tile_f32_buffers tf = {0};
         if (n_tiles && !tile_bf16) {
-            const size_t sizes[3] = {sizeof(float) * G * Lp * TILE, sizeof(v16) * G * D, sizeof(float) * Lp * D};
+            const size_t sizes[4] = {sizeof(float) * G * Lp * TILE, sizeof(v16) * G * D,
+                                     sizeof(float) * span_tokens(D) * D, sizeof(v16) * G * TILE * n};
             size_t total = 0;
-            for (int i = 0; i < 3; i++) total += (sizes[i] + 63) / 64 * 64;
+            for (int i = 0; i < 4; i++) total += (sizes[i] + 63) / 64 * 64;
             char *m = (char *)(tile_mem = aligned_alloc(64, total));
             tf.scores = (float *)m; m += (sizes[0] + 63) / 64 * 64;
             tf.qpack = (v16 *)m; m += (sizes[1] + 63) / 64 * 64;
-            tf.rows = (float *)m;
+            tf.rows = (float *)m; m += (sizes[2] + 63) / 64 * 64;
+            tf.acc = (v16 *)m;
         }
         /* Dynamic scheduling, each thread holding the claim on its next task while it runs
          * this one, so it knows which rows to ask for. */
