@@ -38,6 +38,17 @@ typedef __m256 vec;
 #define vadd _mm256_add_ps
 #define vbroadcast _mm256_set1_ps
 #endif
+
+/* A weight vector pinned to a register once loaded. With AVX2's 16 registers (12 accumulators,
+ * 3 weight vectors, 1 broadcast) GCC 12 otherwise folds the weight loads into the FMAs, reading
+ * each vector once per row (16 loads per 12 FMAs instead of 7): on an AMD EPYC Zen 3 SmolLM2's
+ * linears at 64 rows ran at 76-78 GFLOP/s of the 237 two cores peak at, pinned 135-137. The
+ * AVX-512 build (32 registers) keeps its own allocation. */
+#if defined(__AVX512F__)
+#define IN_REGISTER(x) (void)0
+#else
+#define IN_REGISTER(x) __asm__("" : "+x"(x))
+#endif
 #define NV_MAX 3      /* L-column blocks per panel */
 #define M_CHUNK 256   /* rows of x per pass over the panels */
 
@@ -49,7 +60,10 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
     for (int k = 0; k < K; k++) {
         const float *wk = wp + (int64_t)k * nv * L;
         vec w[NV_MAX];
-        for (int v = 0; v < nv; v++) w[v] = vload(wk + L * v);
+        for (int v = 0; v < nv; v++) {
+            w[v] = vload(wk + L * v);
+            IN_REGISTER(w[v]);
+        }
         for (int r = 0; r < mr; r++) {
             const vec a = vbroadcast(x[r * xs + k]);
             for (int v = 0; v < nv; v++) acc[r][v] = vfma(a, w[v], acc[r][v]);
