@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 import uuid
 
 import httpx
@@ -83,6 +84,13 @@ def test_api_keys_are_checked_against_hashes(engine):
     assert_error(wrong, 401, "invalid_api_key")
 
 
+def clear_of_a_minute_boundary(seconds: float) -> None:
+    """Wait, if needed, until the next clock minute is at least `seconds` away."""
+    left = 60 - time.time() % 60
+    if left < seconds:
+        time.sleep(left + 0.1)
+
+
 def test_per_key_request_and_token_limits_in_redis(engine, redis):
     prefix = f"test-limits-{uuid.uuid4().hex[:8]}"
 
@@ -99,6 +107,7 @@ def test_per_key_request_and_token_limits_in_redis(engine, redis):
                           admission=Admission(AdmissionConfig(require_key=True, keys_from_redis=True), redis, prefix))
 
     auth = {"Authorization": f"Bearer {few_requests}"}
+    clear_of_a_minute_boundary(15)   # the limits count per clock minute: no reset mid-burst
     responses = run(app(), *[("POST", "/v1/completions", {"json": BODY, "headers": auth})] * 5)
     statuses = sorted(r.status_code for r in responses)
     assert statuses == [200, 200, 200, 429, 429]

@@ -47,14 +47,14 @@ def test_a_failed_build_raises_in_the_constructor():
 
 @pytest.mark.parametrize("delay_ms,first_step", [(0.0, 1), (5000.0, 3)])
 def test_an_idle_engine_waits_max_queue_delay_for_a_batch(tiny_models, delay_ms, first_step):
-    """Three requests 150 ms apart: without a queue delay the first is prefilled alone; with
+    """Three requests 400 ms apart: without a queue delay the first is prefilled alone; with
     one, the first step waits until max_num_seqs (3) are waiting and prefills them together
     (long before the 5 s delay runs out), as an offline batch sent at once should be."""
     engine, steps = _delayed_engine(tiny_models, delay_ms)
 
     async def run():
         async def one(i):
-            await asyncio.sleep(0.15 * i)
+            await asyncio.sleep(0.4 * i)
             return await _collect(engine.generate(_request(f"r{i}")))
         return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(3))), 4.0)
     try:

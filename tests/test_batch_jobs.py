@@ -197,7 +197,7 @@ def test_cancel(served):
 @contextlib.contextmanager
 def gateway(worker: str, redis: str, prefix: str, files: str):
     with tessera_gateway("--worker", worker, "--jobs-redis", redis, "--registry-prefix", prefix, "--files-dir", files,
-                         "--batch-lease-s", "2", "--batch-concurrency", "1") as (url, proc):
+                         "--batch-lease-s", "6", "--batch-concurrency", "1") as (url, proc):
         yield url, proc
 
 

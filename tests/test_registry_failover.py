@@ -32,16 +32,16 @@ def record(i: int, model: str = "m") -> WorkerRecord:
 @pytest.mark.parametrize("kind", ["redis", "memory"])
 def test_records_expire_without_heartbeats(redis, kind):
     async def main():
-        reg = RedisRegistry(redis, prefix=f"t-{uuid.uuid4().hex[:8]}", ttl_s=1.0) if kind == "redis" \
-            else MemoryRegistry(ttl_s=1.0)
+        reg = RedisRegistry(redis, prefix=f"t-{uuid.uuid4().hex[:8]}", ttl_s=3.0) if kind == "redis" \
+            else MemoryRegistry(ttl_s=3.0)
         try:
             await reg.put(record(1))
             await reg.put(record(2, model="other"))
             assert [r.worker_id for r in await reg.list("m")] == ["w1"]
             assert len(await reg.list()) == 2
-            await asyncio.sleep(0.6)
+            await asyncio.sleep(1.8)
             await reg.put(record(1))          # a heartbeat keeps w1
-            await asyncio.sleep(0.6)
+            await asyncio.sleep(1.8)
             assert [r.worker_id for r in await reg.list()] == ["w1"]
             await reg.remove("w1")
             assert await reg.list() == []

@@ -292,7 +292,7 @@ def test_a_hung_draft_worker_costs_one_timeout_not_one_per_step(scripted):
     for step in range(50):                      # the steps of the next second: no call, no wait
         with pytest.raises(DraftUnavailable, match="failed recently"):
             client.propose("r", [1, 2, 3], 3, 4)
-    assert 0.25 < first < 1.5 and time.monotonic() - t0 < 0.1 and len(servicer.seen) == 1
+    assert 0.25 < first < 1.5 and time.monotonic() - t0 < 0.5 and len(servicer.seen) == 1   # 0.5: well inside the back-off
     time.sleep(1.0)
     with pytest.raises(DraftUnavailable, match="DEADLINE_EXCEEDED"):     # then it is tried again
         client.propose("r", [1, 2, 3], 3, 4)

@@ -55,7 +55,7 @@ def test_losing_one_replica_or_a_helper_keeps_the_rest_serving_and_drains_in_ord
                 Child("worker-1", "worker", on_sigterm(order, "worker")),
                 Child("gateway-0", "gateway", on_sigterm(order, "gateway", delay_s=0.5))]
     supervisor = Supervisor(children, FAST, "tessera up")
-    threading.Timer(3.0, supervisor.request_stop).start()
+    threading.Timer(5.0, supervisor.request_stop).start()
     assert supervisor.run() == 0
     out = capsys.readouterr().out
     assert "giving up on redis-0" in out and "giving up on worker-0" in out and "left; stopping" not in out
