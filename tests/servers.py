@@ -192,7 +192,8 @@ class Logged:
         self.proc = subprocess.Popen([sys.executable, "-m", "tessera.cli", *args], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True,
                                      env=dict(env or os.environ, TOKENIZERS_PARALLELISM="false"))
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -206,7 +207,9 @@ class Logged:
             found = [m for m in map(re.compile(pattern).search, list(self.lines)) if m]
             if len(found) >= count:
                 return found[count - 1]
-            if time.monotonic() > deadline or (self.proc.poll() is not None and not found):
+            # gone: exited, and every line it wrote read (the reader stops at the pipe's end)
+            gone = self.proc.poll() is not None and not self._reader.is_alive()
+            if time.monotonic() > deadline or (gone and not found):
                 raise TimeoutError(f"no {pattern!r} (x{count}) from tessera {self.args[0]}:\n" +
                                    "\n".join(self.lines[-40:]))
             time.sleep(0.1)
