@@ -19,7 +19,8 @@ def kernel_times(engine: Engine, tokens: int, reps: int = 10) -> tuple[float, li
     """For the recorded step of `tokens` tokens: seconds per replay by the C loop, and
     (kernel, calls per step, seconds per step), the largest first; the first of reps + 1 rounds
     warms the caches and is not counted."""
-    recording = engine.runner.graphs.graphs[tokens].recording
+    graphs = engine.runner.graphs
+    recording = graphs.graphs[graphs.rows(tokens)].recording     # padded rows: step_graph.py
     recording.replay()
     t = time.perf_counter()
     for _ in range(reps):

@@ -47,7 +47,7 @@ rest = total - sum(v for k, v in acc.items() if not k.startswith(" ")) / n
 print(f"  rest (norms, RoPE, residuals, SwiGLU activation, scheduler, detokenizer, Python): {rest*1e3:.1f} ms ({rest/total:.0%})")
 replayed, e = step_s(False)
 print(f"replayed (step_graph.py): decode step {replayed*1e3:.1f} ms")
-if B not in e.runner.graphs.graphs:
+if e.runner.graphs.rows(B) not in e.runner.graphs.graphs:
     sys.exit(f"(no graph of {B} rows was kept: see the engine's log)")
 outside = {"LM head" if k.startswith("linears") else k: v / n for k, v in acc.items()}   # after the replay
 print_replayed(e, B, replayed, outside)

@@ -299,8 +299,9 @@ def test_argmax_rows_is_torchs_argmax_ties_nans_and_infinities_included(B, V):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kv_write_equals_index_copy_from_the_fused_qkv_views(dtype, monkeypatch):
     """K and V are views of the fused QKV output (tokens a QKV row apart); every row lands
-    where index_copy_ puts it, and nothing else in the caches moves. A slot outside the cache
-    (past its end, or negative) is refused before anything is written."""
+    where index_copy_ puts it, and nothing else in the caches moves; a PAD_SLOT row (a replayed
+    step's padding) is written nowhere, on both paths. A slot outside the cache (past its end,
+    or negative other than PAD_SLOT) is refused before anything is written."""
     g = torch.Generator().manual_seed(7)
     T, H, KV, D, S = 5, 6, 2, 32, 40
     qkv = torch.randn(T, (H + 2 * KV) * D, generator=g).to(dtype).view(T, H + 2 * KV, D)
@@ -313,7 +314,20 @@ def test_kv_write_equals_index_copy_from_the_fused_qkv_views(dtype, monkeypatch)
     monkeypatch.setattr(pa, "kv_write_ref", lambda *a: pytest.fail("took the index_copy_ path"))
     pa.kv_write(k, v, *caches, slots)
     assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
-    for bad in ([0, 1, 2, 3, S], [0, -1, 2, 3, 4]):
+    padded = torch.tensor([3, pa.PAD_SLOT, 0, pa.PAD_SLOT, 18])
+    pa.kv_write(k, v, *caches, padded)
+    assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])   # the same rows again
+    for c in caches:
+        c[:, 39].zero_()
+        c[:, 17].zero_()
+    pa.kv_write(k, v, *caches, padded)
+    assert not caches[0][:, [17, 39]].any() and not caches[1][:, [17, 39]].any()
+    for c, w in zip(caches, want):
+        c[:, [17, 39]] = w[:, [17, 39]]
+    ref = [c.clone() for c in caches]
+    reference(k, v, *ref, padded)
+    assert torch.equal(ref[0], caches[0]) and torch.equal(ref[1], caches[1])
+    for bad in ([0, 1, 2, 3, S], [0, -2, 2, 3, 4]):
         with pytest.raises(IndexError):
             pa.kv_write(k, v, *caches, torch.tensor(bad))
         assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])

@@ -146,18 +146,19 @@ def test_replayed_steps_give_the_eager_engines_tokens(dtype, quantization):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_prompt_steps_are_recorded_and_replayed_like_decode_steps(dtype):
     """A prompt alone in its step is T rows like T decode tokens: prompts of 37 tokens, one after
-    another, are recorded (after a first try that grows the pool), checked and then replayed,
-    with the eager engine's tokens; so is a step where a prompt joins a running request (one
-    decode row and 20 prompt rows)."""
+    another, are recorded (after a first try that grows the pool; padded to 48 rows), checked
+    and then replayed, with the eager engine's tokens; so is a step where a prompt joins a
+    running request (one decode row and 20 prompt rows, padded to 32)."""
     engine = Engine(EngineConfig(dtype=dtype, num_threads=2, cache=_NO_PREFIX_CACHE))
     graphs = engine.runner.graphs
-    if _recordable_sizes(engine, (1, 21, 37)) != {1, 21, 37}:
+    assert (graphs.rows(1), graphs.rows(16), graphs.rows(21), graphs.rows(37), graphs.rows(48)) == (1, 16, 32, 48, 48)
+    if _recordable_sizes(engine, (1, 32, 48)) != {1, 32, 48}:
         pytest.skip("a linear of these sizes is not a C kernel on this CPU")
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(100, 40000, (37,), generator=g).tolist() for _ in range(5)]
     for p in prompts[:4]:
         assert _generate(engine, False, [p], [3]) == _generate(engine, True, [p], [3])
-    assert graphs.graphs[37].verified and not graphs.dropped
+    assert graphs.graphs[48].verified and not graphs.dropped
     before = graphs.replayed_steps
     assert _generate(engine, False, [prompts[4]], [3]) == _generate(engine, True, [prompts[4]], [3])
     assert graphs.replayed_steps == before + 3          # the prompt's step and two decode steps
@@ -181,7 +182,34 @@ def test_prompt_steps_are_recorded_and_replayed_like_decode_steps(dtype):
         finally:
             engine.runner.graphs = kept
     assert joined(False) == joined(False) == joined(False) == joined(True)
-    assert graphs.graphs[21].verified and not graphs.dropped
+    assert graphs.graphs[32].verified and not graphs.dropped
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prompts_of_other_lengths_share_one_padded_graph_with_the_eager_bits(dtype):
+    """Prompts of 33 to 48 tokens replay one graph of 48 rows, the rows after theirs padding.
+    Each length's replay is checked against its eager step bit for bit (the graph's check made
+    to run again before each); then a length replayed unchecked writes the same K/V as the eager
+    engine, and the padding rows write nothing (the caches are equal everywhere)."""
+    engine = Engine(EngineConfig(dtype=dtype, num_threads=2, cache=_NO_PREFIX_CACHE))
+    eager = Engine(EngineConfig(dtype=dtype, num_threads=2, cache=_NO_PREFIX_CACHE, enforce_eager=True))
+    graphs = engine.runner.graphs
+    if _recordable_sizes(engine, (1, 48)) != {1, 48}:
+        pytest.skip("a linear of these sizes is not a C kernel on this CPU")
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (33, 40, 47, 48, 34, 45)]
+    for p in prompts[:-1]:
+        if 48 in graphs.graphs:
+            graphs.graphs[48].verified = False
+        assert _generate(engine, False, [p], [3]) == _generate(engine, True, [p], [3])
+        _generate(eager, True, [p], [3])
+        _generate(eager, True, [p], [3])
+    assert [R for R in graphs.graphs if R > 1] == [48] and graphs.graphs[48].verified and not graphs.dropped
+    before = graphs.replayed_steps
+    assert _generate(engine, False, [prompts[-1]], [3]) == _generate(eager, True, [prompts[-1]], [3])
+    assert graphs.replayed_steps == before + 3
+    for (k, v), (k_eager, v_eager) in zip(engine.runner.kv_caches, eager.runner.kv_caches):
+        assert torch.equal(k, k_eager) and torch.equal(v, v_eager)
 
 
 def test_the_first_overflow_sizes_the_pool_for_the_largest_step():

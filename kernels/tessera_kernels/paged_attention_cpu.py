@@ -110,9 +110,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
+PAD_SLOT = -1   # a padding row of a replayed step (step_graph.py): its K/V are not written
+
+
 def kv_write_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slots: torch.Tensor) -> None:
-    """k, v [T, KV, D] into caches [KV, S, D] at rows slots [T]."""
+    """k, v [T, KV, D] into caches [KV, S, D] at rows slots [T]; rows at PAD_SLOT are skipped."""
+    keep = slots != PAD_SLOT
+    if not bool(keep.all()):
+        k, v, slots = k[keep], v[keep], slots[keep]
     k_cache.index_copy_(1, slots, k.transpose(0, 1))
     v_cache.index_copy_(1, slots, v.transpose(0, 1))
 
@@ -131,8 +137,8 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slots: torch.Tensor) -> None:
     """kv_write_ref's contract, one memcpy per row (csrc/kv_write.c) where it applies: CPU
     tensors of one dtype, each token's heads contiguous, contiguous caches; elsewhere
-    index_copy_. A slot outside the cache raises IndexError on both paths (the C code checks
-    every slot before it writes any)."""
+    index_copy_. A slot outside the cache (other than PAD_SLOT) raises IndexError on both paths
+    (the C code checks every slot before it writes any)."""
     T, KV, D = k.shape
     lib = _kv_write_library()
     on_cpu = all(t.device.type == "cpu" for t in (k, v, k_cache, v_cache, slots))

@@ -7,8 +7,8 @@ makes the same C kernel calls with the same shapes as any other step of as many 
 rows are the tokens, whichever requests they belong to, and what changes is the values in a
 few inputs: the hidden states out of the embedding, RoPE's cos and sin of the positions, the
 slots the new K/V go to, each row's block table and context length. Those inputs live in
-buffers of StepGraphs' own (Inputs); once per token count T a step runs through the layer
-driver while tessera_kernels.replay records its calls, and later steps of T tokens copy their
+buffers of StepGraphs' own (Inputs); once per row count T a step runs through the layer
+driver while tessera_kernels.replay records its calls, and later steps of T rows copy their
 inputs into the buffers and make the same calls again; the rows whose logits are sampled are
 picked afterwards. Measured on AMD EPYC Zen 4 (2 cores, SmolLM2-135M, bf16, batch 1): the
 step's Python, ~5.8 of ~14.5 ms, goes. A prompt alone in its step (the TTFT of one request;
@@ -16,9 +16,20 @@ Intel Xeon with AMX, model 207, 2 cores, bf16, min-median of 25 interleaved step
 82-89 ms eager -> 61-67 replayed, 16 tokens 26-35 -> 16-17. The first step of each token count
 pays for its recording and check (about two eager steps).
 
+Padding: a step of T > PAD_FROM tokens replays the graph of rows(T) rows, T rounded up to a
+multiple of PAD_TO, its extra rows padding (vLLM pads a step to its next CUDA-graph size the
+same way): a zero hidden state, attending to one slot of block 0, its K/V written nowhere
+(paged_attention_cpu.PAD_SLOT). Every kernel computes a row from that row's inputs alone, in the
+same order at any row count (the AMX tiles work in blocks of 16 rows anyway; the attention
+kernel puts a padding row in no prompt tile), so the real rows get the same bits as at T rows,
+and the check below compares them with the eager step of T tokens. Prompts of varied lengths
+then share 16 graphs from 17 to 256 tokens instead of recording 240: before, each new length
+paid its recording and its check (Intel Xeon with AMX, model 167, a 150-token prompt: 100 and
+127-149 ms to the first token, then 53-57; eager 71-75).
+
 Trust: a recording that met a torch op computing something (replay.Recording.refused: an MoE
 router, a dtype without C kernels, a linear on oneDNN) is not kept and, after a second try,
-that token count stays eager (and after refusals at REFUSED_SIZES counts with none kept, every
+that row count stays eager (and after refusals at REFUSED_SIZES counts with none kept, every
 count). A kept one is replayed once beside the eager step on the same inputs and must give the
 same bits before it serves, else it is dropped and a warning logged; so is one whose replay
 fails (a call returning other than it did when recorded). The graphs hold every buffer their
@@ -38,6 +49,7 @@ from tessera.layers.attention import PROMPTS_ON_KERNEL_UP_TO
 from tessera.models.driver import KVCaches, final_hidden, forward, run_layers
 from tessera.models.llama import CausalLM
 from tessera_kernels import replay
+from tessera_kernels.paged_attention_cpu import PAD_SLOT
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +58,13 @@ log = logging.getLogger(__name__)
 # larger ones on AMX). The buffers of the largest graph grow with it: SmolLM2 in bf16, 0.58 MB
 # a token (147 MB at 256).
 MAX_TOKENS = PROMPTS_ON_KERNEL_UP_TO
-_ATTEMPTS = 2        # refused recordings per token count before it stays eager (a second chance
+_ATTEMPTS = 2        # refused recordings per row count before it stays eager (a second chance
                      # for a refusal that came from work made once, outside replay.paused())
 # bytes beyond a step's tokens times its bytes per token: each buffer starts on a cache line
 _ALIGNMENT_SLACK = 1 << 20
-REFUSED_SIZES = 4    # token counts refused with no graph kept: the model's steps cannot be recorded
+REFUSED_SIZES = 4    # row counts refused with no graph kept: the model's steps cannot be recorded
+PAD_FROM = 16        # steps of up to this many tokens get a graph of their own size
+PAD_TO = 16          # larger ones replay the graph of their count rounded up to a multiple of this
 
 
 def all_causal_rows(batch: ForwardBatch) -> bool:
@@ -73,37 +87,44 @@ class Inputs:
         self.lens = torch.ones(max_tokens, dtype=torch.long)
         self.rows = torch.arange(max_tokens)   # attention reads only how many there are: all of them attend causally
 
-    def load(self, model: CausalLM, batch: ForwardBatch) -> tuple[torch.Tensor, ForwardBatch, tuple]:
-        """The step's inputs into the first T rows: hidden states, the batch and (cos, sin) as
-        the calls see them. A row's table fills the first columns; the kernel reads no further
-        than its context."""
+    def load(self, model: CausalLM, batch: ForwardBatch, rows: int) -> tuple[torch.Tensor, ForwardBatch, tuple]:
+        """The step's T tokens into the first T of `rows` rows, padding after them (see the
+        module docstring): hidden states, the batch and (cos, sin) as the calls see them. A
+        row's table fills the first columns; the kernel reads no further than its context."""
         T = batch.num_tokens
-        x = self.x[:T]
-        x.copy_(model.embed_tokens(batch.input_ids))
+        x = self.x[:rows]
+        x[:T].copy_(model.embed_tokens(batch.input_ids))
         cos, sin = model.rope(batch.positions, x.dtype)
         self.cos[:T].copy_(cos)
         self.sin[:T].copy_(sin)
         self.slots[:T].copy_(batch.slot_mapping)
         self.lens[:T].copy_(batch.causal_context_lens)
         self.tables[:T, :batch.causal_block_tables.shape[1]] = batch.causal_block_tables
-        static = dataclasses.replace(batch, slot_mapping=self.slots[:T], causal_token_idx=self.rows[:T],
-                                     causal_block_tables=self.tables[:T], causal_context_lens=self.lens[:T])
-        return x, static, (self.cos[:T], self.sin[:T])
+        if rows > T:
+            for padding in (x[T:], self.cos[T:rows], self.sin[T:rows], self.tables[T:rows, :1]):
+                padding.zero_()
+            self.slots[T:rows] = PAD_SLOT
+            self.lens[T:rows] = 1
+        static = dataclasses.replace(batch, slot_mapping=self.slots[:rows], causal_token_idx=self.rows[:rows],
+                                     causal_block_tables=self.tables[:rows], causal_context_lens=self.lens[:rows])
+        return x, static, (self.cos[:rows], self.sin[:rows])
 
 
 class StepGraph:
-    """One token count's recorded step."""
+    """One row count's recorded step."""
 
-    def __init__(self) -> None:
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
         self.recording: replay.Recording | None = None
         self.out: torch.Tensor | None = None
         self.verified = False
 
     def capture(self, model: CausalLM, batch: ForwardBatch, kv_caches: KVCaches, inputs: Inputs,
                 pool: replay.Pool) -> torch.Tensor:
-        """Run the step's layers eagerly while recording them, their buffers from `pool`: the
-        hidden states after the last layer (valid whether or not the recording can be kept)."""
-        x, static, rope = inputs.load(model, batch)
+        """Run the step's layers eagerly on self.rows rows while recording them, their buffers
+        from `pool`: the hidden states after the last layer (valid whether or not the recording
+        can be kept), the step's tokens in the first rows."""
+        x, static, rope = inputs.load(model, batch, self.rows)
         with replay.record(pool) as rec:
             out = run_layers(model, x, static, kv_caches, rope=rope)
         if rec.refused is None and not rec.calls:
@@ -114,13 +135,13 @@ class StepGraph:
     def replay(self, model: CausalLM, batch: ForwardBatch, inputs: Inputs) -> torch.Tensor:
         """The hidden states after the last layer, in the pool (overwritten by the next replay
         or recording of any graph)."""
-        inputs.load(model, batch)
+        inputs.load(model, batch, self.rows)
         self.recording.replay()
         return self.out
 
 
 class StepGraphs:
-    """The graphs of one model and KV cache, one per token count up to max_tokens, made on
+    """The graphs of one model and KV cache, one per row count up to max_tokens, made on
     first need; `forward` is driver.forward's contract. One graph runs at a time, so they share
     their inputs (Inputs) and one pool for their intermediate buffers, sized at the first
     recording for a step of max_tokens (SmolLM2 in bf16: 0.58 MB a token, 147 MB, held besides
@@ -132,46 +153,52 @@ class StepGraphs:
         self.inputs = Inputs(model, self.max_tokens, max_blocks)
         self.pool = replay.Pool()
         self.graphs: dict[int, StepGraph] = {}
-        self.refusals: dict[int, int] = {}       # recordings refused, per token count
-        self.dropped: set[int] = set()           # token counts whose graph failed its check or a replay
+        self.refusals: dict[int, int] = {}       # recordings refused, per row count
+        self.dropped: set[int] = set()           # row counts whose graph failed its check or a replay
         self.replayed_steps = 0
         self.kept_any = False                    # whether a recording was ever kept (the pool's growth drops them)
         # by address: what the recorded calls point into besides the inputs and the pool
         self._held: dict[int, torch.Tensor] = {}
 
+    def rows(self, T: int) -> int:
+        """The rows of the graph a step of T tokens replays (padding: the module docstring)."""
+        padded = -(-T // PAD_TO) * PAD_TO
+        return padded if T > PAD_FROM and padded <= self.max_tokens else T
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         T = batch.num_tokens
+        R = self.rows(T)
         if (not all_causal_rows(batch) or T > self.max_tokens or batch.causal_block_tables.shape[1] > self.max_blocks
-                or self.refusals.get(T, 0) >= _ATTEMPTS or T in self.dropped
+                or self.refusals.get(R, 0) >= _ATTEMPTS or R in self.dropped
                 or (len(self.refusals) >= REFUSED_SIZES and not self.kept_any)):
             return forward(self.model, batch, self.kv_caches)
-        graph = self.graphs.get(T)
+        graph = self.graphs.get(R)
         if graph is None:
-            return final_hidden(self.model, self._capture(T, batch), batch)
+            return final_hidden(self.model, self._capture(R, batch), batch)
         try:
             replayed = final_hidden(self.model, graph.replay(self.model, batch, self.inputs), batch)
         except RuntimeError as e:
-            self._drop(T, f"failed ({e})")
+            self._drop(R, f"failed ({e})")
             return forward(self.model, batch, self.kv_caches)     # writes this step's K/V again
         if graph.verified:
             self.replayed_steps += 1
             return replayed
-        # The first replay is checked against the eager step, which runs after it so that its
-        # K/V writes are the ones that stay.
+        # The first replay is checked against the eager step (of the T tokens, unpadded), which
+        # runs after it so that its K/V writes are the ones that stay.
         eager = forward(self.model, batch, self.kv_caches)
         if torch.equal(eager, replayed):
             graph.verified = True
         else:
-            self._drop(T, "differs from the eager step")
+            self._drop(R, "differs from the eager step")
         return eager
 
-    def _capture(self, T: int, batch: ForwardBatch) -> torch.Tensor:
-        graph = StepGraph()
+    def _capture(self, R: int, batch: ForwardBatch) -> torch.Tensor:
+        graph = StepGraph(R)
         out = graph.capture(self.model, batch, self.kv_caches, self.inputs, self.pool)
         refused = graph.recording.refused
         if refused is not None:
-            self.refusals[T] = self.refusals.get(T, 0) + 1
-            log.info("step of %d tokens not recorded (%s): it runs eagerly", T, refused)
+            self.refusals[R] = self.refusals.get(R, 0) + 1
+            log.info("step of %d rows not recorded (%s): it runs eagerly", R, refused)
         elif self.pool.overflowed:
             # A larger pool for the next recordings; the graphs made from the old one are made
             # again at their next step. A step's buffers grow in proportion to its tokens (SmolLM2
@@ -180,18 +207,18 @@ class StepGraphs:
             # a user no longer grows the pool, drops the graphs and is recorded again (measured on
             # Zen 4, `tessera serve`: the first three 128-token prompts took 183, 165 and 217 ms
             # to their first token, the fourth 103).
-            self.pool.grow(-(-self.pool.used * self.max_tokens // T) + _ALIGNMENT_SLACK)
+            self.pool.grow(-(-self.pool.used * self.max_tokens // R) + _ALIGNMENT_SLACK)
             self.graphs.clear()
         else:
-            self.graphs[T] = graph
+            self.graphs[R] = graph
             self.kept_any = True
             self._held.update((t.untyped_storage().data_ptr(), t) for t in _weights(self.model))
         return out
 
-    def _drop(self, T: int, why: str) -> None:
-        del self.graphs[T]
-        self.dropped.add(T)
-        log.warning("step graph of %d tokens %s: that token count runs eagerly", T, why)
+    def _drop(self, R: int, why: str) -> None:
+        del self.graphs[R]
+        self.dropped.add(R)
+        log.warning("step graph of %d rows %s: the steps it served run eagerly", R, why)
 
 
 def _weights(model: CausalLM) -> list[torch.Tensor]:

@@ -6,18 +6,24 @@
  * step's 64 tokens (Intel Xeon with AMX, 2 threads; 41 us under the profiler); this is one
  * memcpy per row, 10 us a layer with its Python call. k and v are views of the fused QKV
  * output: tokens k_stride elements apart, heads D apart. Element size 2 (bf16) or 4 (float32).
+ * A slot of -1 (PAD_SLOT) is a padding row of a replayed step (step_graph.py): nothing is
+ * written for it, as vLLM's reshape_and_cache skips the padding tokens of a CUDA graph.
  */
 #include <stdint.h>
 #include <string.h>
 
-/* Returns 0, or -1 (and writes nothing) when a slot lies outside the cache's S rows. */
+#define PAD_SLOT (-1)
+
+/* Returns 0, or -1 (and writes nothing) when a slot other than PAD_SLOT lies outside the
+ * cache's S rows. */
 int kv_write(const char *k, const char *v, int64_t k_stride, int64_t v_stride, char *k_cache, char *v_cache,
              const int64_t *slots, int T, int KV, int D, int64_t S, int elem) {
     const size_t row = (size_t)D * elem;
     for (int t = 0; t < T; t++)
-        if (slots[t] < 0 || slots[t] >= S) return -1;
+        if (slots[t] != PAD_SLOT && (slots[t] < 0 || slots[t] >= S)) return -1;
     for (int t = 0; t < T; t++) {
         const int64_t slot = slots[t];
+        if (slot == PAD_SLOT) continue;
         for (int h = 0; h < KV; h++) {
             const int64_t dst = ((int64_t)h * S + slot) * (int64_t)row;
             const int64_t src = ((int64_t)t * k_stride + (int64_t)h * D) * elem;
