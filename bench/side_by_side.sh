@@ -2,7 +2,7 @@
 # Tessera against the servers a user would otherwise pick, on this machine, one server at a
 # time, the same client (`tessera bench serve`) and workload: 64 prompts x 128 in / 128 out all
 # at once, then 8 prompts one at a time (NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN change the first and
-# the lengths of both); greedy, ignore_eos, weights of SmolLM2-135M in $DTYPE
+# the lengths of both; RANGE_RATIO=R draws each prompt's length from INPUT_LEN * (1 +- R)); greedy, ignore_eos, weights of SmolLM2-135M in $DTYPE
 # (default bfloat16; float32 where the CPU has no native bf16); QUANT=int4|int8 serves Tessera's
 # linears weight-only quantized (`tessera serve --quantization`, quantized at load from the same
 # weights); the other servers stay dense. AVX2=1: see below.
@@ -27,7 +27,7 @@ if [ "${AVX2:-}" = 1 ]; then
   DTYPE=${DTYPE:-float32}
 fi
 DTYPE=${DTYPE:-bfloat16}
-NUM_PROMPTS=${NUM_PROMPTS:-64} INPUT_LEN=${INPUT_LEN:-128} OUTPUT_LEN=${OUTPUT_LEN:-128}
+NUM_PROMPTS=${NUM_PROMPTS:-64} INPUT_LEN=${INPUT_LEN:-128} OUTPUT_LEN=${OUTPUT_LEN:-128} RANGE_RATIO=${RANGE_RATIO:-0}
 T=.venv/bin/tessera
 export HF_HUB_OFFLINE=1
 
@@ -43,10 +43,10 @@ stop() {      # pid: SIGTERM, then wait for the whole group
 
 bench() {     # name port (the model: the first one the server lists)
   $T bench serve --base-url "http://127.0.0.1:$2" --num-prompts "$NUM_PROMPTS" --input-len "$INPUT_LEN" \
-      --output-len "$OUTPUT_LEN" --json > "$OUT/$1-$NUM_PROMPTS.json" 2> "$OUT/$1-$NUM_PROMPTS.err"
+      --range-ratio "$RANGE_RATIO" --output-len "$OUTPUT_LEN" --json > "$OUT/$1-$NUM_PROMPTS.json" 2> "$OUT/$1-$NUM_PROMPTS.err"
   # other prompts than the ones above (--seed 1): the same ones again would be prefix-cache hits
   $T bench serve --base-url "http://127.0.0.1:$2" --num-prompts 8 --concurrency 1 --seed 1 \
-      --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --json > "$OUT/$1-c1.json" 2> "$OUT/$1-c1.err"
+      --input-len "$INPUT_LEN" --range-ratio "$RANGE_RATIO" --output-len "$OUTPUT_LEN" --json > "$OUT/$1-c1.json" 2> "$OUT/$1-c1.err"
   echo "$1: $(grep -h -m1 '"output_tok_s"' "$OUT/$1-$NUM_PROMPTS.json")"
 }
 

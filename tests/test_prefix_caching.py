@@ -264,3 +264,9 @@ def test_bench_serve_prompts_can_share_a_prefix():
     assert all(len(x) == 40 and x[:32] == prompts[0][:32] for x in prompts) and prompts[1][32:] != prompts[0][32:]
     plain, _ = _make_prompts(p.parse_args(["--num-prompts", "3", "--input-len", "40"]))
     assert plain[0][:32] != plain[1][:32]
+    # --range-ratio: lengths drawn from [30, 50] (vLLM's --random-range-ratio), the prefix kept
+    varied, _ = _make_prompts(p.parse_args(["--num-prompts", "40", "--input-len", "40", "--shared-prefix-len", "32",
+                                            "--range-ratio", "0.25"]))
+    lengths = [len(x) for x in varied]
+    assert min(lengths) >= 32 and max(lengths) <= 50 and len(set(lengths)) > 5
+    assert all(x[:32] == varied[0][:32] for x in varied)

@@ -23,6 +23,9 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shared-prefix-len", type=int, default=0,
                    help="the first N of each prompt's --input-len tokens are the same in every prompt (a common "
                    "system prompt: prefix caching serves it)")
+    p.add_argument("--range-ratio", type=float, default=0.0,
+                   help="each prompt's length drawn uniformly from [input_len * (1 - R), input_len * (1 + R)] "
+                   "(as vLLM's --random-range-ratio, here for the prompts only: outputs stay --output-len)")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--concurrency", type=int, default=None, help="max requests in flight (default: all)")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")

@@ -160,7 +160,7 @@ async def run(a: argparse.Namespace) -> dict:
     out_tokens = sum(r["tokens"] for r in ok)
     return {
         "base_url": a.base_url, "model": model, "endpoint": a.endpoint, "num_prompts": len(prompts),
-        "input_len": a.input_len, "shared_prefix_len": a.shared_prefix_len, "output_len": a.output_len,
+        "input_len": a.input_len, "range_ratio": a.range_ratio, "shared_prefix_len": a.shared_prefix_len, "output_len": a.output_len,
         "concurrency": a.concurrency,
         "request_rate": None if a.request_rate == float("inf") else a.request_rate,
         "completed": len(ok), "failed": len(results) - len(ok),
@@ -175,15 +175,20 @@ async def run(a: argparse.Namespace) -> dict:
 
 
 def _make_prompts(a: argparse.Namespace) -> tuple[list[list[int]], list[str]]:
-    """Random token ids of exactly input_len, the first shared_prefix_len the same in all (and
-    their text, for the chat endpoint)."""
+    """Random token ids, input_len of them (or drawn from input_len's range with --range-ratio),
+    the first shared_prefix_len the same in all (and their text, for the chat endpoint)."""
     from tessera.tokenizer import load_tokenizer
     tok = load_tokenizer(a.tokenizer)
     rng = random.Random(a.seed)
     special = set(tok.all_special_ids)
     vocab = [i for i in range(len(tok)) if i not in special]
     shared = [rng.choice(vocab) for _ in range(min(a.shared_prefix_len, a.input_len))]
-    prompts = [shared + [rng.choice(vocab) for _ in range(a.input_len - len(shared))] for _ in range(a.num_prompts)]
+    if not 0 <= a.range_ratio < 1:
+        raise SystemExit("--range-ratio: from 0 up to (not including) 1")
+    low, high = round(a.input_len * (1 - a.range_ratio)), round(a.input_len * (1 + a.range_ratio))
+    lengths = [rng.randint(max(low, len(shared), 1), max(high, len(shared), 1)) if a.range_ratio else a.input_len
+               for _ in range(a.num_prompts)]
+    prompts = [shared + [rng.choice(vocab) for _ in range(n - len(shared))] for n in lengths]
     return prompts, [tok.decode(p) for p in prompts]
 
 
