@@ -212,6 +212,29 @@ def test_prompts_of_other_lengths_share_one_padded_graph_with_the_eager_bits(dty
         assert torch.equal(k, k_eager) and torch.equal(v, v_eager)
 
 
+def test_the_workers_warm_up_records_and_checks_every_graph_size_in_its_budget():
+    """`tessera worker`'s warm-up: with steps of at most 64 tokens the graph sizes are 32, 48,
+    64 and 1-16, each recorded and checked before the worker says ready, and the warm-up's
+    prompts leave no KV block in use and nothing in the prefix cache; with a budget of 0 s only
+    the sizes its other requests took are recorded (and none of them checked)."""
+    from tessera.config import SchedulerConfig
+    from tessera.entrypoints.worker import _warmed
+    small = SchedulerConfig(max_num_batched_tokens=64)
+    engine = _warmed(Engine(EngineConfig(dtype="bfloat16", num_threads=2, scheduler=small)))
+    graphs = engine.runner.graphs
+    assert graphs.row_counts() == [32, 48, 64] + list(range(1, 17))
+    if _recordable_sizes(engine, graphs.row_counts()) != set(graphs.row_counts()):
+        pytest.skip("a linear of these sizes is not a C kernel on this CPU")
+    assert sorted(graphs.graphs) == sorted(graphs.row_counts()) and not graphs.dropped
+    assert all(g.verified for g in graphs.graphs.values())
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks and not engine.has_unfinished
+    engine.step()      # the prefix cache's reset is made at the next step
+    assert not any(engine.kv.allocator.cached(b) for b in range(engine.kv.num_blocks)) and engine.kv.stats.queries == 0
+    unwarmed = _warmed(Engine(EngineConfig(dtype="bfloat16", num_threads=2, scheduler=small, graph_warmup_s=0)))
+    assert not any(g.verified for g in unwarmed.runner.graphs.graphs.values())
+    assert set(unwarmed.runner.graphs.graphs) < set(graphs.graphs)
+
+
 def test_the_first_overflow_sizes_the_pool_for_the_largest_step():
     """Sizes 1, 2, 1, 3, 1 (each a prompt of 4 tokens a request, then decode steps), then a
     prompt of max_tokens: the first recording overflows the empty pool, which grows to what a

@@ -177,6 +177,9 @@ class EngineConfig:
         "flag": "--threads", "help": "torch CPU threads (default: torch's choice)"})
     enforce_eager: bool = field(default=False, metadata={
         "help": "run every step through Python: no replayed decode steps (step_graph.py)"})
+    graph_warmup_s: float = field(default=5.0, metadata={
+        "help": "seconds a worker's warm-up may spend recording the step graphs of prompt steps (32, 48, ... "
+        "tokens, then 1-16) before it says ready; 0: each is recorded at its first step (step_graph.py)"})
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
@@ -186,6 +189,8 @@ class EngineConfig:
             raise ConfigError("dtype must be auto, float32 or bfloat16")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError("max_model_len must be > 0")
+        if not self.graph_warmup_s >= 0:
+            raise ConfigError("graph_warmup_s must be >= 0", "graph_warmup_s")
         q = self.quantization
         if q not in (None, "int8", "int4", "int3", "gguf") and not (q.endswith(".json")):
             raise ConfigError("quantization must be int8, int4, int3, gguf or a plan .json file", "quantization")

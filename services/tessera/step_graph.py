@@ -165,6 +165,12 @@ class StepGraphs:
         padded = -(-T // PAD_TO) * PAD_TO
         return padded if T > PAD_FROM and padded <= self.max_tokens else T
 
+    def row_counts(self) -> list[int]:
+        """Every graph size steps may take: the padded ones of prompts (PAD_FROM + 1 tokens and
+        more) first, then 1 to PAD_FROM rows (decode batches, short prompts)."""
+        padded = sorted({self.rows(T) for T in range(PAD_FROM + 1, self.max_tokens + 1)})
+        return padded + list(range(1, min(PAD_FROM, self.max_tokens) + 1))
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         T = batch.num_tokens
         R = self.rows(T)
