@@ -245,15 +245,15 @@ def _record_step_graphs(engine: Engine, budget_s: float) -> None:
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     fits = min(engine.max_model_len - 1, engine.kv.num_blocks * engine.kv.block_size // 2)
-    for rows in graphs.row_counts():
-        if rows > fits:
-            continue
-        for _ in range(2):
-            if time.monotonic() - t0 > budget_s:
-                return
-            # random tokens: no prefix-cache hit shortens the step
-            engine.generate([[rng.randrange(vocab) for _ in range(rows)]], SamplingParams(temperature=0, max_tokens=1))
-    log.info("step graphs of %d sizes recorded in %.1f s", len(graphs.graphs), time.monotonic() - t0)
+    sizes = [rows for rows in graphs.row_counts() if rows <= fits]
+    for rows in (rows for rows in sizes for _ in range(2)):
+        if time.monotonic() - t0 > budget_s:
+            break
+        # random tokens: no prefix-cache hit shortens the step
+        engine.generate([[rng.randrange(vocab) for _ in range(rows)]], SamplingParams(temperature=0, max_tokens=1))
+    checked = sum(graphs.graphs[rows].verified for rows in sizes if rows in graphs.graphs)
+    log.info("step graphs: %d of %d sizes recorded and checked in %.1f s (--graph-warmup-s %g)",
+             checked, len(sizes), time.monotonic() - t0, budget_s)
 
 
 def _warmed(engine: Engine) -> Engine:
