@@ -223,6 +223,8 @@ def test_the_workers_warm_up_records_and_checks_every_graph_size_in_its_budget()
     engine = _warmed(Engine(EngineConfig(dtype="bfloat16", num_threads=2, scheduler=small)))
     graphs = engine.runner.graphs
     assert graphs.row_counts() == [32, 48, 64] + list(range(1, 17))
+    # each size recorded at its own length, checked at the shortest that pads to it
+    assert [graphs.shortest(R) for R in (32, 48, 64, 7)] == [17, 33, 49, 7]
     if _recordable_sizes(engine, graphs.row_counts()) != set(graphs.row_counts()):
         pytest.skip("a linear of these sizes is not a C kernel on this CPU")
     assert sorted(graphs.graphs) == sorted(graphs.row_counts()) and not graphs.dropped
@@ -233,6 +235,19 @@ def test_the_workers_warm_up_records_and_checks_every_graph_size_in_its_budget()
     unwarmed = _warmed(Engine(EngineConfig(dtype="bfloat16", num_threads=2, scheduler=small, graph_warmup_s=0)))
     assert not any(g.verified for g in unwarmed.runner.graphs.graphs.values())
     assert set(unwarmed.runner.graphs.graphs) < set(graphs.graphs)
+
+
+def test_padding_starts_above_every_row_count_where_a_linear_changes_kernel():
+    """A step of T > PAD_FROM tokens runs its linears on rows(T) rows: both counts must take the
+    same kernel (the GEMVs, dense and quantized, stop at or below PAD_FROM rows; the tiles start
+    at or below it), or the padded rows' bits could differ from the eager step's."""
+    from tessera_kernels import amx_linear, tile_linear
+    below = (gemv_cpu.MAX_ROWS, amx_linear.MIN_ROWS, tile_linear.BF16_MIN_ROWS, quant.GEMV_MAX_ROWS,
+             quant.GEMV_MAX_ROWS_INT8)
+    assert max(below) <= step_graph.PAD_FROM < step_graph.MAX_TOKENS
+    graphs = step_graph.StepGraphs.__new__(step_graph.StepGraphs)
+    graphs.max_tokens = 100          # a token budget that is not a multiple of PAD_TO
+    assert [graphs.rows(T) for T in (1, 16, 17, 32, 33, 96, 97, 100)] == [1, 16, 32, 32, 48, 96, 100, 100]
 
 
 def test_the_first_overflow_sizes_the_pool_for_the_largest_step():

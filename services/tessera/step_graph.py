@@ -3,7 +3,7 @@
 
 A step whose every token attends as a causal row of the paged-attention kernel (decode tokens,
 and the tokens of prompt chunks in steps of at most MAX_TOKENS tokens; not a draft tree's)
-makes the same C kernel calls with the same shapes as any other step of as many tokens: the
+makes the same C kernel calls with the same shapes as any other step of as many rows: the
 rows are the tokens, whichever requests they belong to, and what changes is the values in a
 few inputs: the hidden states out of the embedding, RoPE's cos and sin of the positions, the
 slots the new K/V go to, each row's block table and context length. Those inputs live in
@@ -13,8 +13,9 @@ inputs into the buffers and make the same calls again; the rows whose logits are
 picked afterwards. Measured on AMD EPYC Zen 4 (2 cores, SmolLM2-135M, bf16, batch 1): the
 step's Python, ~5.8 of ~14.5 ms, goes. A prompt alone in its step (the TTFT of one request;
 Intel Xeon with AMX, model 207, 2 cores, bf16, min-median of 25 interleaved steps): 128 tokens
-82-89 ms eager -> 61-67 replayed, 16 tokens 26-35 -> 16-17. The first step of each token count
-pays for its recording and check (about two eager steps).
+82-89 ms eager -> 61-67 replayed, 16 tokens 26-35 -> 16-17. The first two steps of each row
+count pay for its recording and check (about 1.4 and 1.8 eager steps); the worker's warm-up
+makes them (entrypoints/worker.py).
 
 Padding: a step of T > PAD_FROM tokens replays the graph of rows(T) rows, T rounded up to a
 multiple of PAD_TO, its extra rows padding (vLLM pads a step to its next CUDA-graph size the
@@ -22,8 +23,9 @@ same way): a zero hidden state, attending to one slot of block 0, its K/V writte
 (paged_attention_cpu.PAD_SLOT). Every kernel computes a row from that row's inputs alone, in the
 same order at any row count (the AMX tiles work in blocks of 16 rows anyway; the attention
 kernel puts a padding row in no prompt tile), so the real rows get the same bits as at T rows,
-and the check below compares them with the eager step of T tokens. Prompts of varied lengths
-then share 16 graphs from 17 to 256 tokens instead of recording 240: before, each new length
+and the check below compares them with the eager step of T tokens (a recording that pads serves
+the eager step's bits). Prompts of varied lengths then share 15 graphs from 17 to 256 tokens
+instead of recording 240: before, each new length
 paid its recording and its check (Intel Xeon with AMX, model 167, a 150-token prompt: 100 and
 127-149 ms to the first token, then 53-57; eager 71-75).
 
@@ -74,7 +76,7 @@ def all_causal_rows(batch: ForwardBatch) -> bool:
 
 class Inputs:
     """What changes from one step to the next, in buffers for up to max_tokens tokens that
-    every graph's calls read: a graph of T tokens reads their first T rows."""
+    every graph's calls read: a graph of R rows reads their first R."""
 
     def __init__(self, model: CausalLM, max_tokens: int, max_blocks: int) -> None:
         dtype, D = model.embed_tokens.weight.dtype, model.rope.cos.shape[-1]
@@ -162,8 +164,16 @@ class StepGraphs:
 
     def rows(self, T: int) -> int:
         """The rows of the graph a step of T tokens replays (padding: the module docstring)."""
-        padded = -(-T // PAD_TO) * PAD_TO
-        return padded if T > PAD_FROM and padded <= self.max_tokens else T
+        return min(-(-T // PAD_TO) * PAD_TO, self.max_tokens) if T > PAD_FROM else T
+
+    def may_replay(self, R: int) -> bool:
+        """Whether steps of R rows may still be recorded or replayed (see Trust above)."""
+        return (self.refusals.get(R, 0) < _ATTEMPTS and R not in self.dropped
+                and not (len(self.refusals) >= REFUSED_SIZES and not self.kept_any))
+
+    def shortest(self, R: int) -> int:
+        """The fewest tokens whose steps replay the graph of R rows (R itself up to PAD_FROM)."""
+        return next(T for T in range(min(R, PAD_FROM + 1), R + 1) if self.rows(T) == R)
 
     def row_counts(self) -> list[int]:
         """Every graph size steps may take: the padded ones of prompts (PAD_FROM + 1 tokens and
@@ -175,12 +185,20 @@ class StepGraphs:
         T = batch.num_tokens
         R = self.rows(T)
         if (not all_causal_rows(batch) or T > self.max_tokens or batch.causal_block_tables.shape[1] > self.max_blocks
-                or self.refusals.get(R, 0) >= _ATTEMPTS or R in self.dropped
-                or (len(self.refusals) >= REFUSED_SIZES and not self.kept_any)):
+                or not self.may_replay(R)):
             return forward(self.model, batch, self.kv_caches)
         graph = self.graphs.get(R)
         if graph is None:
-            return final_hidden(self.model, self._capture(R, batch), batch)
+            recorded = final_hidden(self.model, self._capture(R, batch), batch)
+            if R == T:
+                return recorded
+            # A recording runs the padded rows, through torch ops too where it was refused (an
+            # MoE router, a linear on oneDNN), whose bits may depend on the row count: the step
+            # the user gets is the eager one, whose K/V writes are the ones that stay.
+            eager = forward(self.model, batch, self.kv_caches)
+            if R in self.graphs and not torch.equal(eager, recorded):
+                self._drop(R, "differs from the eager step")
+            return eager
         try:
             replayed = final_hidden(self.model, graph.replay(self.model, batch, self.inputs), batch)
         except RuntimeError as e:

@@ -160,7 +160,8 @@ async def run(a: argparse.Namespace) -> dict:
     out_tokens = sum(r["tokens"] for r in ok)
     return {
         "base_url": a.base_url, "model": model, "endpoint": a.endpoint, "num_prompts": len(prompts),
-        "input_len": a.input_len, "range_ratio": a.range_ratio, "shared_prefix_len": a.shared_prefix_len, "output_len": a.output_len,
+        "input_len": a.input_len, "range_ratio": a.range_ratio, "shared_prefix_len": a.shared_prefix_len,
+        "output_len": a.output_len,
         "concurrency": a.concurrency,
         "request_rate": None if a.request_rate == float("inf") else a.request_rate,
         "completed": len(ok), "failed": len(results) - len(ok),

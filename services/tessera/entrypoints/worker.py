@@ -232,25 +232,27 @@ def one_malloc_arena() -> None:
 
 
 def _record_step_graphs(engine: Engine, budget_s: float) -> None:
-    """Prompts of each graph size (step_graph.StepGraphs.row_counts) alone in their step, two of
-    each (the recording, then its check), until budget_s has passed: a user's first prompts of
-    those lengths are then replayed, not recorded and checked (Intel Xeon with AMX, model 167,
-    32 prompts of 64-192 tokens one at a time right after a start: TTFT p50 81 ms, 63 ms once
-    recorded; vLLM 70-76). All 31 sizes: ~5 s there in bf16, ~18 s in float32 on one thread."""
+    """For each graph size R (step_graph.StepGraphs.row_counts), a prompt of R tokens alone in
+    its step (the recording) and then one of the fewest tokens that pad to R (the check, made on
+    padding rows), until budget_s has passed: a user's first prompts are then replayed, not
+    recorded and checked (Intel Xeon with AMX, model 167, 32 prompts of 64-192 tokens one at a
+    time right after a start: TTFT p50 81 ms, 54 ms with this; vLLM 70-76). All 31 sizes: ~5 s
+    there in bf16, ~18 s in float32 on one thread. Sizes the graphs refuse are skipped."""
     from tessera.config import SamplingParams
     graphs = engine.runner.graphs
     if graphs is None or budget_s <= 0:
         return
     t0 = time.monotonic()
     rng = random.Random(0)
-    vocab = engine.model_config.vocab_size
+    vocab = min(engine.model_config.vocab_size, len(engine.tokenizer))
     fits = min(engine.max_model_len - 1, engine.kv.num_blocks * engine.kv.block_size // 2)
     sizes = [rows for rows in graphs.row_counts() if rows <= fits]
-    for rows in (rows for rows in sizes for _ in range(2)):
+    for rows, tokens in ((rows, tokens) for rows in sizes for tokens in (rows, graphs.shortest(rows))):
         if time.monotonic() - t0 > budget_s:
             break
-        # random tokens: no prefix-cache hit shortens the step
-        engine.generate([[rng.randrange(vocab) for _ in range(rows)]], SamplingParams(temperature=0, max_tokens=1))
+        if graphs.may_replay(rows):
+            # random tokens: no prefix-cache hit shortens the step
+            engine.generate([[rng.randrange(vocab) for _ in range(tokens)]], SamplingParams(temperature=0, max_tokens=1))
     checked = sum(graphs.graphs[rows].verified for rows in sizes if rows in graphs.graphs)
     log.info("step graphs: %d of %d sizes recorded and checked in %.1f s (--graph-warmup-s %g)",
              checked, len(sizes), time.monotonic() - t0, budget_s)
