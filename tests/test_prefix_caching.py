@@ -270,3 +270,5 @@ def test_bench_serve_prompts_can_share_a_prefix():
     lengths = [len(x) for x in varied]
     assert min(lengths) >= 32 and max(lengths) <= 50 and len(set(lengths)) > 5
     assert all(x[:32] == varied[0][:32] for x in varied)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--range-ratio", "1"])

@@ -14,6 +14,13 @@ def add_engine_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
+def _range_ratio(text: str) -> float:
+    r = float(text)
+    if not 0 <= r < 1:
+        raise argparse.ArgumentTypeError("from 0 up to (not including) 1")
+    return r
+
+
 def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="default: the first id /v1/models lists")
@@ -23,7 +30,7 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shared-prefix-len", type=int, default=0,
                    help="the first N of each prompt's --input-len tokens are the same in every prompt (a common "
                    "system prompt: prefix caching serves it)")
-    p.add_argument("--range-ratio", type=float, default=0.0,
+    p.add_argument("--range-ratio", type=_range_ratio, default=0.0,
                    help="each prompt's length drawn uniformly from [input_len * (1 - R), input_len * (1 + R)] "
                    "(as vLLM's --random-range-ratio, here for the prompts only: outputs stay --output-len)")
     p.add_argument("--output-len", type=int, default=128)

@@ -184,8 +184,6 @@ def _make_prompts(a: argparse.Namespace) -> tuple[list[list[int]], list[str]]:
     special = set(tok.all_special_ids)
     vocab = [i for i in range(len(tok)) if i not in special]
     shared = [rng.choice(vocab) for _ in range(min(a.shared_prefix_len, a.input_len))]
-    if not 0 <= a.range_ratio < 1:
-        raise SystemExit("--range-ratio: from 0 up to (not including) 1")
     low, high = round(a.input_len * (1 - a.range_ratio)), round(a.input_len * (1 + a.range_ratio))
     lengths = [rng.randint(max(low, len(shared), 1), max(high, len(shared), 1)) if a.range_ratio else a.input_len
                for _ in range(a.num_prompts)]
