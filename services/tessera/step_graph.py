@@ -25,9 +25,9 @@ same order at any row count (the AMX tiles work in blocks of 16 rows anyway; the
 kernel puts a padding row in no prompt tile), so the real rows get the same bits as at T rows,
 and the check below compares them with the eager step of T tokens (a recording that pads serves
 the eager step's bits). Prompts of varied lengths then share 15 graphs from 17 to 256 tokens
-instead of recording 240: before, each new length
-paid its recording and its check (Intel Xeon with AMX, model 167, a 150-token prompt: 100 and
-127-149 ms to the first token, then 53-57; eager 71-75).
+instead of recording 240: before, each new length paid its recording and its check (Intel Xeon
+with AMX, model 167, a 150-token prompt: 100 and 127-149 ms to the first token, then 53-57;
+eager 71-75).
 
 Trust: a recording that met a torch op computing something (replay.Recording.refused: an MoE
 router, a dtype without C kernels, a linear on oneDNN) is not kept and, after a second try,
