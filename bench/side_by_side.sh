@@ -47,7 +47,18 @@ bench() {     # name port (the model: the first one the server lists)
   # other prompts than the ones above (--seed 1): the same ones again would be prefix-cache hits
   $T bench serve --base-url "http://127.0.0.1:$2" --num-prompts 8 --concurrency 1 --seed 1 \
       --input-len "$INPUT_LEN" --range-ratio "$RANGE_RATIO" --output-len "$OUTPUT_LEN" --json > "$OUT/$1-c1.json" 2> "$OUT/$1-c1.err"
-  echo "$1: $(grep -h -m1 '"output_tok_s"' "$OUT/$1-$NUM_PROMPTS.json")"
+  summary "$1" "$OUT/$1-$NUM_PROMPTS.json" "$OUT/$1-c1.json"
+}
+
+summary() {   # name all.json c1.json: one line; the engine's share of the one-stream TTFT where the server says
+  .venv/bin/python - "$@" <<'PY'
+import json, sys
+name, (a, c) = sys.argv[1], (json.load(open(p)) for p in sys.argv[2:])
+s = c.get("server_ms") or {}
+engine = f" (queue {s['queue']} + prefill {s['prefill']} ms in the engine)" if "prefill" in s and "queue" in s else ""
+print(f"{name}: {a['output_tok_s']} tok/s, steal {(a.get('cpu_pct') or {}).get('steal')} %; one stream: "
+      f"TTFT p50 {c['ttft_ms']['p50']} ms{engine}, TPOT p50 {c['tpot_ms']['p50']} ms")
+PY
 }
 
 run_tessera() {

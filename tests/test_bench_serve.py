@@ -52,3 +52,35 @@ def test_a_stream_cut_short_or_refused_is_a_failed_request():
     assert not result["ok"] and result["error"].startswith(("ValueError", "IncompleteReadError")), result
     result = _run(b"HTTP/1.1 404 Not Found\r\ncontent-length: 9\r\n\r\nnot found")
     assert result == {"ok": False, "error": "404 b'not found'"}
+
+
+def test_the_servers_own_timings_are_read_from_its_metrics():
+    """Tessera's and vLLM's histogram names, summed over label sets: the means are those of
+    the requests that finished between two scrapes."""
+    import httpx
+
+    from tessera.bench import server_side
+
+    def page(n: int) -> bytes:
+        body = "\n".join([
+            "# TYPE tessera_request_prefill_time_seconds histogram",
+            f'tessera_request_prefill_time_seconds_sum{{model_name="a"}} {0.5 * n}',
+            f'tessera_request_prefill_time_seconds_count{{model_name="a"}} {n}',
+            f'tessera_request_prefill_time_seconds_sum{{model_name="b"}} {0.1 * n}',
+            f'tessera_request_prefill_time_seconds_count{{model_name="b"}} {n}',
+            f'vllm:request_queue_time_seconds_sum{{engine="0",model_name="m"}} {0.02 * n}',
+            f'vllm:request_queue_time_seconds_count{{engine="0",model_name="m"}} {2 * n}',
+            'tessera_request_prefill_time_seconds_created{model_name="a"} 1.7e+09', ""]).encode()
+        return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+
+    async def go():
+        scraped = []
+        for n in (2, 6):
+            server, url = await _serve(page(n))
+            async with server, httpx.AsyncClient() as client:
+                scraped.append(await server_side.scrape(client, url))
+        return scraped
+    before, after = asyncio.run(go())
+    assert after == {"prefill": (3.6, 12.0), "queue": (0.12, 12.0)}
+    assert server_side.phase_means_ms(before, after) == {"prefill": 300.0, "queue": 10.0, "requests": 8}
+    assert server_side.phase_means_ms(after, after) is None

@@ -93,3 +93,38 @@ def test_chunked_prefill_matches_single_prefill(tiny_models):
     chunked = Engine(EngineConfig(model=tiny_models["qwen2_moe"], dtype="float32",
                                   scheduler=SchedulerConfig(max_num_batched_tokens=7)))
     assert whole.generate([p], sp) == chunked.generate([p], sp)
+
+
+def test_finished_outputs_say_where_the_request_spent_its_time(tiny_models):
+    """One request at a time (max_num_seqs 1), both received at the same moment: the first is
+    scheduled and makes its first token in step 0 and finishes in step 2; the second waits
+    (queue) until step 3, makes its first token there and finishes in step 5. Each phase's end
+    must fall inside the step that ends it, as timed around engine.step(). The worker received
+    them half a second before the engine did (its tokenizer, its inbox): queue counts from then."""
+    import time
+    cfg = EngineConfig(model=tiny_models["llama"], dtype="float32", cache=CacheConfig(block_size=4, num_blocks=32),
+                       scheduler=SchedulerConfig(max_num_seqs=1))
+    e = Engine(cfg)
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    arrival = time.monotonic() - 0.5
+    for rid in ("first", "second"):
+        e.add_request([5, 6, 7], sp, rid, arrival_time=arrival)
+    steps, timings = [], {}
+    while e.has_unfinished:
+        before = time.monotonic()
+        outs = e.step()
+        steps.append((before, time.monotonic()))
+        for o in outs:
+            assert (o.timings is not None) == o.finished
+            if o.finished:
+                timings[o.request_id] = o.timings
+
+    def within(t: float, step: int) -> bool:
+        return steps[step][0] <= t <= steps[step][1]
+    assert len(steps) == 6
+    for rid, first_step in (("first", 0), ("second", 3)):
+        t = timings[rid]
+        scheduled = arrival + t.queue_s
+        assert within(scheduled, first_step) and within(scheduled + t.prefill_s, first_step), (rid, t, steps)
+        assert within(scheduled + t.prefill_s + t.decode_s, first_step + 2), (rid, t, steps)
+    assert timings["second"].queue_s > timings["first"].prefill_s + timings["first"].decode_s

@@ -176,6 +176,12 @@ def test_bench_serve_against_the_live_server(url):
     result = json.loads(out)
     assert result["completed"] == 3 and result["failed"] == 0 and result["output_tok_s"] > 0
     assert result["ttft_ms"]["p50"] > 0 and result["tpot_ms"]["mean"] > 0
+    # the worker's own timings, through gRPC and the gateway's /metrics: the three requests
+    # finished between the bench's two scrapes; the worker's share of a TTFT lies inside it
+    server = result["server_ms"]
+    assert server["requests"] == 3 and server["prefill"] > 0 and server["decode"] > 0 and server["queue"] >= 0
+    assert 0 < result["ttft_outside_engine_ms"] < result["ttft_ms"]["mean"]
+    assert abs(sum(result["cpu_pct"].values()) - 100) < 0.5
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])

@@ -181,6 +181,18 @@ def test_prefix_cache_hits_are_reported(client):
     assert max(cached[1:]) > 0, cached
 
 
+def test_vllms_own_request_timings_reach_the_gateways_metrics(client, deployment):
+    """vLLM's per-request queue / prefill / decode stamps (RequestOutput.metrics) cross gRPC
+    like the native engine's: one more finished request in each histogram."""
+    url = deployment[0]
+    count = lambda phase: _metric(url, f"tessera_request_{phase}_time_seconds_count")  # noqa: E731
+    before = [count(p) for p in ("queue", "prefill", "decode")]
+    decode_s = _metric(url, "tessera_request_decode_time_seconds_sum")
+    client.completions.create(model=MODEL, prompt="One, two,", max_tokens=6, extra_body={"ignore_eos": True})
+    assert [count(p) for p in ("queue", "prefill", "decode")] == [n + 1 for n in before]
+    assert _metric(url, "tessera_request_decode_time_seconds_sum") > decode_s
+
+
 def test_errors_are_openai_400s(client):
     with pytest.raises(openai.BadRequestError) as e:    # vLLM refuses a bias on a token it does not have
         client.chat.completions.create(model=MODEL, messages=FRANCE, logit_bias={"60000": 5})

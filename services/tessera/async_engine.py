@@ -76,6 +76,7 @@ class AsyncEngine:
         (Engine.add_request); a rejection comes back as the stream's first item."""
         if not self.alive:
             raise Unavailable(f"engine loop is not running: {self.error}")
+        arrival = time.monotonic()   # its queue time counts the tokenizer and the inbox too
         prompt = self.processor.prompt_ids(request)
         rid = request.request_id
         if rid in self._streams:
@@ -84,7 +85,7 @@ class AsyncEngine:
         self._streams[rid] = (asyncio.get_running_loop(), q)
         self._pending += 1
         self._send(("add", rid, prompt, request.sampling, request.resume,
-                    "messages" if request.messages else "prompt"))
+                    "messages" if request.messages else "prompt", arrival))
         finished = False
         try:
             first = True
@@ -191,12 +192,12 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command[0] == "add":
-                _, rid, prompt, sampling, resume, prompt_param = command
+                _, rid, prompt, sampling, resume, prompt_param, arrival = command
                 self._pending -= 1
                 if rid not in self._streams:
                     continue  # the client went away before the engine saw it
                 try:
-                    self.engine.add_request(prompt, sampling, rid, resume)
+                    self.engine.add_request(prompt, sampling, rid, resume, arrival)
                 except Exception as e:
                     self._deliver(rid, admission_error(e, prompt_param))
             else:
@@ -213,7 +214,8 @@ class AsyncEngine:
                              finish_reason=out.finish_reason, prompt_tokens=out.prompt_tokens,
                              completion_tokens=out.completion_tokens,
                              prompt_token_ids=tuple(prompt or ()), accepted_tokens=out.accepted_tokens,
-                             rejected_tokens=out.rejected_tokens, cached_tokens=out.cached_tokens)
+                             rejected_tokens=out.rejected_tokens, cached_tokens=out.cached_tokens,
+                             timings=out.timings)
 
 
 def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:

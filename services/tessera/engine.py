@@ -20,7 +20,7 @@ from tessera.detokenizer import IncrementalDetokenizer
 from tessera.kv_cache import KVCacheManager
 from tessera.model_runner import ModelRunner, kv_bytes_per_block
 from tessera.models.loader import load_model, model_id_for
-from tessera.request import Request, RequestStatus, Resume
+from tessera.request import Request, RequestStatus, RequestTimings, Resume
 from tessera.sampler import SampleResult, SamplingBatch, sample
 from tessera.scheduler import ScheduledRequest, Scheduler
 from tessera.spec.acceptance import accept
@@ -53,6 +53,7 @@ class RequestOutput:
     accepted_tokens: int = 0          # speculative decoding: draft tokens accepted so far
     rejected_tokens: int = 0          # and verified but rejected so far
     cached_tokens: int = 0            # prompt tokens the prefix cache served (OpenAI's cached_tokens)
+    timings: RequestTimings | None = None   # the finished output only
 
 
 class EngineError(RuntimeError):
@@ -133,11 +134,13 @@ class Engine:
         return self.scheduler.has_work
 
     def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams,
-                    request_id: str | None = None, resume: Resume | None = None) -> str:
+                    request_id: str | None = None, resume: Resume | None = None,
+                    arrival_time: float | None = None) -> str:
         """Validate and queue: the one place a request is checked against this engine (token
         ids against the vocabulary, lengths against the context and the KV cache, the queue
         bound), so nothing that enters a batch can make a step raise. Raises ConfigError
-        (ContextLengthError) for a bad request, QueueFull when the queue is full."""
+        (ContextLengthError) for a bad request, QueueFull when the queue is full.
+        arrival_time: when the worker received it (time.monotonic(); default: now)."""
         request_id = request_id or f"req-{next(self._ids)}"
         resume = resume or Resume()
         sampling = self.resolve(len(prompt_token_ids) + len(resume.output_token_ids), sampling)
@@ -148,6 +151,8 @@ class Engine:
             raise ConfigError(f"request id {request_id} is already running", "request_id")
         request = Request(request_id, list(prompt_token_ids), sampling, self.eos_token_ids,
                           output_token_ids=list(resume.output_token_ids))
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
         self.scheduler.add(request)
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, sampling.stop,
                                        sampling.include_stop_str_in_output)
@@ -337,16 +342,18 @@ class Engine:
             k = request.sampling.logprobs
             top = list(zip(result.top_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist())) if k else []
             logprobs.append(TokenLogprob(token, float(result.logprobs[row]), top))
+        timings = None
         if status is not None:
             self.scheduler.finish(request.request_id, status)
             self._forget(request.request_id)
+            timings = request.timings(time.monotonic())
         return RequestOutput(
             request_id=request.request_id, new_token_ids=[token],
             new_text=detok.delta(finished=status is not None), logprobs=logprobs,
             finished=status is not None, finish_reason=status.value if status else None,
             prompt_tokens=request.num_prompt_tokens, completion_tokens=request.num_output_tokens,
             accepted_tokens=request.accepted_tokens, rejected_tokens=request.rejected_tokens,
-            cached_tokens=max(request.num_cached_tokens, 0))
+            cached_tokens=max(request.num_cached_tokens, 0), timings=timings)
 
     def _forget(self, request_id: str) -> None:
         self._detok.pop(request_id, None)

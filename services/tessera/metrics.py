@@ -148,6 +148,13 @@ class GatewayMetrics:
         self._prefix_hits = Counter("tessera_prefix_cache_hits", "Of those, tokens the workers' prefix caches "
                                     "served (usage.prompt_tokens_details.cached_tokens; hit rate = hits / queries)",
                                     labels, registry=r)
+        # vLLM's request_{queue,prefill,decode,inference}_time_seconds, as the worker measured them
+        self._phases = {phase: Histogram(f"tessera_request_{phase}_time_seconds", help_, labels,
+                                         buckets=_LATENCY, registry=r)
+                        for phase, help_ in (("queue", "Worker received -> first scheduled"),
+                                             ("prefill", "First scheduled -> first output token"),
+                                             ("decode", "First output token -> finished"),
+                                             ("inference", "First scheduled -> finished"))}
         self.model_name = model_name
         self.ttft, self.itl, self.e2e = (h.labels(model_name) for h in (self._ttft, self._itl, self._e2e))
 
@@ -170,11 +177,19 @@ class GatewayMetrics:
             self._acceptance.labels(m).observe(len(chunk.token_ids))
         return chunk.accepted_tokens, chunk.rejected_tokens
 
-    def observe_prompt(self, chunk: GenerateChunk) -> None:
-        """A choice's last chunk: its prompt tokens, and those the prefix cache served."""
-        if chunk.finish_reason:
-            self._prefix_queries.labels(self.model_name).inc(chunk.prompt_tokens)
-            self._prefix_hits.labels(self.model_name).inc(chunk.cached_tokens)
+    def observe_finish(self, chunk: GenerateChunk) -> None:
+        """A choice's last chunk: its prompt tokens, those the prefix cache served, and where
+        its time went in the worker (when the worker says)."""
+        if not chunk.finish_reason:
+            return
+        m = self.model_name
+        self._prefix_queries.labels(m).inc(chunk.prompt_tokens)
+        self._prefix_hits.labels(m).inc(chunk.cached_tokens)
+        t = chunk.timings
+        if t is not None:
+            for phase, seconds in (("queue", t.queue_s), ("prefill", t.prefill_s), ("decode", t.decode_s),
+                                   ("inference", t.prefill_s + t.decode_s)):
+                self._phases[phase].labels(m).observe(seconds)
 
     def count(self, status: int) -> None:
         self.requests.labels(self.model_name, str(status)).inc()

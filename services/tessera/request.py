@@ -37,6 +37,18 @@ class Resume:
     text_sent: int = 0
 
 
+@dataclass(frozen=True)
+class RequestTimings:
+    """Where a finished request's time went inside the worker that finished it, in seconds
+    (vLLM's request queue / prefill / decode times): received -> first scheduled -> first
+    token -> finished. The client's TTFT minus queue + prefill is the served path around the
+    engine (HTTP, gateway, gRPC). A resumed request counts from its arrival at this worker."""
+
+    queue_s: float
+    prefill_s: float
+    decode_s: float
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -54,6 +66,8 @@ class Request:
     spec_synced: int = 0                # tokens the proposer has seen (0: it knows nothing)
     accepted_tokens: int = 0            # draft tokens accepted / verified and rejected so far
     rejected_tokens: int = 0
+    scheduled_time: float | None = None     # first moved to RUNNING (a preemption keeps it)
+    first_token_time: float | None = None   # this worker's first output token
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -75,8 +89,15 @@ class Request:
         return len(self.output_token_ids)
 
     def append_output(self, token_id: int) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def timings(self, now: float) -> RequestTimings:
+        scheduled = self.scheduled_time if self.scheduled_time is not None else now
+        first = self.first_token_time if self.first_token_time is not None else now
+        return RequestTimings(scheduled - self.arrival_time, first - scheduled, now - first)
 
     def check_stop_token(self) -> RequestStatus | None:
         """Finish by length or by a stop/EOS token; stop strings are the detokenizer's job."""

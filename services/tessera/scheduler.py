@@ -11,6 +11,7 @@ The output is a StepPlan: plain, serializable data that the model runner turns i
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -95,6 +96,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
+            if request.scheduled_time is None:
+                request.scheduled_time = time.monotonic()
             self.running.append(request)
             scheduled.append(self._entry(request, n))
             budget -= n

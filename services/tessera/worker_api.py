@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Protocol
 
 from tessera.config import SamplingParams
-from tessera.request import Resume
+from tessera.request import RequestTimings, Resume
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ class GenerateChunk:
     accepted_tokens: int = 0          # speculative decoding: draft tokens accepted so far (this request)
     rejected_tokens: int = 0          # and verified but rejected so far
     cached_tokens: int = 0            # prompt tokens the worker's prefix cache served
+    timings: RequestTimings | None = None   # the last chunk: queue / prefill / decode in the worker
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,10 @@ prompt); cached_prompt_tokens sums the server's usage.prompt_tokens_details.cach
 
 TTFT: send -> first streamed token; TPOT: (E2E - TTFT) / (tokens - 1) per request; ITL: gaps
 between streamed chunks; E2E: send -> last chunk; output tokens/s: all output tokens / wall time.
+server_ms: the server's own mean queue / prefill / decode times over the run, from its /metrics
+(Tessera's and vLLM's; bench/server_side.py); ttft_outside_engine_ms: the mean TTFT minus the
+mean queue + prefill (HTTP, the gateway or API server, gRPC or IPC, tokenization); cpu_pct:
+this machine's busy / idle / steal time over the run.
 
 The streams are read by a plain HTTP/1.1 client on asyncio's streams (one connection per
 request), not httpx: the client shares the machine's CPU with the server it measures, and
@@ -25,6 +29,8 @@ import urllib.parse
 from typing import AsyncIterator
 
 import httpx
+
+from tessera.bench import server_side
 
 
 def _percentiles(xs: list[float]) -> dict:
@@ -148,6 +154,7 @@ async def run(a: argparse.Namespace) -> dict:
             async with sem:
                 return await _one(a, model, p, t)
 
+        metrics_before, cpu_before = await server_side.scrape(client, a.base_url), server_side.cpu_times()
         start = time.perf_counter()
         tasks = []
         for p, t in zip(prompts, texts):
@@ -156,7 +163,10 @@ async def run(a: argparse.Namespace) -> dict:
                 await asyncio.sleep(rng.expovariate(a.request_rate))
         results = await asyncio.gather(*tasks)
         wall = time.perf_counter() - start
+        cpu = server_side.cpu_split_pct(cpu_before, server_side.cpu_times())
+        server = server_side.phase_means_ms(metrics_before, await server_side.scrape(client, a.base_url))
     ok = [r for r in results if r["ok"]]
+    ttft = _percentiles([r["ttft"] for r in ok])
     out_tokens = sum(r["tokens"] for r in ok)
     return {
         "base_url": a.base_url, "model": model, "endpoint": a.endpoint, "num_prompts": len(prompts),
@@ -168,10 +178,15 @@ async def run(a: argparse.Namespace) -> dict:
         "errors": sorted({r["error"] for r in results if not r["ok"]})[:5],
         "duration_s": round(wall, 2), "output_tokens": out_tokens, "output_tok_s": round(out_tokens / wall, 1),
         "request_per_s": round(len(ok) / wall, 3), "cached_prompt_tokens": sum(r["cached"] for r in ok),
-        "ttft_ms": _percentiles([r["ttft"] for r in ok]),
+        "ttft_ms": ttft,
         "tpot_ms": _percentiles([r["tpot"] for r in ok if r["tpot"] is not None]),
         "itl_ms": _percentiles([x for r in ok for x in r["itl"]]),
         "e2e_ms": _percentiles([r["e2e"] for r in ok]),
+        "server_ms": server,
+        "ttft_outside_engine_ms": (round(ttft["mean"] - server["queue"] - server["prefill"], 2)
+                                   if server and ttft["mean"] is not None and "prefill" in server
+                                   and "queue" in server else None),
+        "cpu_pct": cpu,
     }
 
 

@@ -84,7 +84,7 @@ async def _choice(client: WorkerClient, inp: GenerateInput, metrics: GatewayMetr
                 if metrics is not None:
                     metrics.observe_token(chunk, now - start, now - last, first=last == start)
                     spec = metrics.observe_spec(chunk, spec)
-                    metrics.observe_prompt(chunk)
+                    metrics.observe_finish(chunk)
                 last = now
                 yield chunk
     except WorkerError as e:

@@ -8,7 +8,7 @@ from tessera.config import SamplingParams
 from tessera.disagg.control import ConnectReply, ConnectRequest, ExpertInfo, LinkRefused
 from tessera.draft_api import DraftInfo, DraftRound, RoundRefused
 from tessera.pipeline.control import StageInfo, StageLink, StageRefused, StageReply
-from tessera.request import Resume
+from tessera.request import RequestTimings, Resume
 from tessera.rpc.v1 import common_pb2, draft_pb2, expert_pb2, pipeline_pb2, worker_pb2
 from tessera.spec.tree import Draft
 from tessera.worker_api import (ContextLengthExceeded, GenerateChunk, GenerateInput, InternalError,
@@ -77,7 +77,10 @@ def generate_request_from_proto(msg: worker_pb2.GenerateRequest) -> GenerateInpu
 
 
 def chunk_to_proto(c: GenerateChunk) -> worker_pb2.GenerateResponse:
+    t = c.timings
     return worker_pb2.GenerateResponse(
+        timings=None if t is None else worker_pb2.RequestTimings(
+            queue_time_s=t.queue_s, prefill_time_s=t.prefill_s, decode_time_s=t.decode_s),
         text=c.text, token_ids=list(c.token_ids), finish_reason=c.finish_reason or "",
         usage=common_pb2.Usage(prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens),
         prompt_token_ids=list(c.prompt_token_ids), accepted_prediction_tokens=c.accepted_tokens,
@@ -90,7 +93,9 @@ def chunk_to_proto(c: GenerateChunk) -> worker_pb2.GenerateResponse:
 
 
 def chunk_from_proto(msg: worker_pb2.GenerateResponse) -> GenerateChunk:
+    t = msg.timings
     return GenerateChunk(
+        timings=RequestTimings(t.queue_time_s, t.prefill_time_s, t.decode_time_s) if msg.HasField("timings") else None,
         text=msg.text, token_ids=tuple(msg.token_ids), finish_reason=msg.finish_reason or None,
         prompt_tokens=msg.usage.prompt_tokens, completion_tokens=msg.usage.completion_tokens,
         prompt_token_ids=tuple(msg.prompt_token_ids), accepted_tokens=msg.accepted_prediction_tokens,

@@ -12,6 +12,7 @@ rule (params.resolve) against vLLM's context and KV cache.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 from typing import AsyncIterator
@@ -19,7 +20,7 @@ from typing import AsyncIterator
 from tessera.config import ConfigError, EngineConfig
 from tessera.detokenizer import IncrementalDetokenizer
 from tessera.processor import Processor
-from tessera.request import Resume
+from tessera.request import RequestTimings, Resume
 from tessera.vllm_backend.params import Limits, as_worker_error, resolve, to_vllm
 from tessera.worker_api import (GenerateChunk, GenerateInput, Saturated, TokenLogprobInfo, TopToken, Unavailable,
                                 WorkerInfo)
@@ -130,6 +131,8 @@ class VllmEngine:
                 chunk = self._chunk(c, detok, sampling.logprobs or 0, count, len(prompt), prompt if first else None,
                                     min(out.num_cached_tokens or 0, len(prompt)))
                 count, first = chunk.completion_tokens, False
+                if chunk.finish_reason is not None:
+                    chunk = dataclasses.replace(chunk, timings=vllm_timings(out.metrics))
                 yield chunk
                 if chunk.finish_reason is not None:
                     return
@@ -175,6 +178,15 @@ def tokenizer_digest(tokenizer) -> str:
     vocab = sorted(tokenizer.get_vocab().items())
     template = getattr(tokenizer, "chat_template", None) or ""
     return hashlib.sha256(repr((vocab, template)).encode()).hexdigest()[:16]
+
+
+def vllm_timings(stats) -> RequestTimings | None:
+    """vLLM's own per-request timestamps (its engine core's clock; kept because the stats
+    logger below turns its log_stats on) as queue / prefill / decode seconds."""
+    if stats is None or not stats.scheduled_ts or not stats.first_token_ts:
+        return None
+    return RequestTimings(stats.scheduled_ts - stats.queued_ts, stats.first_token_ts - stats.scheduled_ts,
+                          max(stats.last_token_ts - stats.first_token_ts, 0.0))
 
 
 def stats_logger(sink: dict):
