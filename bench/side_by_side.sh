@@ -56,7 +56,8 @@ import json, sys
 name, (a, c) = sys.argv[1], (json.load(open(p)) for p in sys.argv[2:])
 s = c.get("server_ms") or {}
 engine = f" (queue {s['queue']} + prefill {s['prefill']} ms in the engine)" if "prefill" in s and "queue" in s else ""
-print(f"{name}: {a['output_tok_s']} tok/s, steal {(a.get('cpu_pct') or {}).get('steal')} %; one stream: "
+m = a.get("machine") or {}
+print(f"{name}: {a['output_tok_s']} tok/s, steal {m.get('steal_pct')} %, huge pages split {m.get('thp_split_pmd')}; one stream: "
       f"TTFT p50 {c['ttft_ms']['p50']} ms{engine}, TPOT p50 {c['tpot_ms']['p50']} ms")
 PY
 }

@@ -9,8 +9,8 @@ TTFT: send -> first streamed token; TPOT: (E2E - TTFT) / (tokens - 1) per reques
 between streamed chunks; E2E: send -> last chunk; output tokens/s: all output tokens / wall time.
 server_ms: the server's own mean queue / prefill / decode times over the run, from its /metrics
 (Tessera's and vLLM's; bench/server_side.py); ttft_outside_engine_ms: the mean TTFT minus the
-mean queue + prefill (HTTP, the gateway or API server, gRPC or IPC, tokenization); cpu_pct:
-this machine's busy / idle / steal time over the run.
+mean queue + prefill (HTTP, the gateway or API server, gRPC or IPC, tokenization); machine:
+this machine's busy / idle / steal CPU time and huge pages split over the run.
 
 The streams are read by a plain HTTP/1.1 client on asyncio's streams (one connection per
 request), not httpx: the client shares the machine's CPU with the server it measures, and
@@ -154,7 +154,7 @@ async def run(a: argparse.Namespace) -> dict:
             async with sem:
                 return await _one(a, model, p, t)
 
-        metrics_before, cpu_before = await server_side.scrape(client, a.base_url), server_side.cpu_times()
+        metrics_before, machine_before = await server_side.scrape(client, a.base_url), server_side.machine_counters()
         start = time.perf_counter()
         tasks = []
         for p, t in zip(prompts, texts):
@@ -163,7 +163,7 @@ async def run(a: argparse.Namespace) -> dict:
                 await asyncio.sleep(rng.expovariate(a.request_rate))
         results = await asyncio.gather(*tasks)
         wall = time.perf_counter() - start
-        cpu = server_side.cpu_split_pct(cpu_before, server_side.cpu_times())
+        machine = server_side.machine_delta(machine_before, server_side.machine_counters())
         server = server_side.phase_means_ms(metrics_before, await server_side.scrape(client, a.base_url))
     ok = [r for r in results if r["ok"]]
     ttft = _percentiles([r["ttft"] for r in ok])
@@ -186,7 +186,7 @@ async def run(a: argparse.Namespace) -> dict:
         "ttft_outside_engine_ms": (round(ttft["mean"] - server["queue"] - server["prefill"], 2)
                                    if server and ttft["mean"] is not None and "prefill" in server
                                    and "queue" in server else None),
-        "cpu_pct": cpu,
+        "machine": machine,
     }
 
 

@@ -1,8 +1,8 @@
 """What `tessera bench serve` reads besides the streams, before and after a run: the server's
 own per-request timings from its Prometheus /metrics (Tessera's tessera_request_*_time_seconds,
-vLLM's vllm:request_*_time_seconds: queue, prefill, decode), and how this machine's CPU time
-was spent (/proc/stat), so that a slow run can be told apart from a slow machine (a
-hypervisor's steal time) and the client's TTFT split into the engine's share and the rest.
+vLLM's vllm:request_*_time_seconds: queue, prefill, decode), and this machine's CPU time and
+huge-page splits (/proc/stat, /proc/vmstat), so that a slow run can be told apart from a slow
+machine and the client's TTFT split into the engine's share and the rest.
 """
 from __future__ import annotations
 
@@ -44,26 +44,34 @@ def phase_means_ms(before: dict, after: dict) -> dict | None:
     return means or None
 
 
-def cpu_times() -> list[int] | None:
-    """The machine's aggregate CPU times (/proc/stat's first line, in clock ticks): user,
-    nice, system, idle, iowait, irq, softirq, steal; None off Linux."""
+def machine_counters() -> dict | None:
+    """This machine's aggregate CPU times (/proc/stat's first line, in clock ticks: user, nice,
+    system, idle, iowait, irq, softirq, steal) and its count of huge pages split back into
+    small ones (/proc/vmstat thp_split_pmd); None off Linux."""
     try:
         with open("/proc/stat") as f:
             fields = f.readline().split()
-    except OSError:
+        with open("/proc/vmstat") as f:
+            vmstat = dict(line.split() for line in f)
+    except (OSError, ValueError):
         return None
-    return [int(x) for x in fields[1:9]] if fields and fields[0] == "cpu" else None
+    if not fields or fields[0] != "cpu":
+        return None
+    return {"cpu": [int(x) for x in fields[1:9]], "thp_split_pmd": int(vmstat.get("thp_split_pmd", 0))}
 
 
-def cpu_split_pct(before: list[int] | None, after: list[int] | None) -> dict | None:
-    """Busy (user + nice + system + irq + softirq), idle (+ iowait) and steal (the time the
-    hypervisor ran something else while this guest wanted to run) as % of the interval."""
+def machine_delta(before: dict | None, after: dict | None) -> dict | None:
+    """Over the run: busy (user + nice + system + irq + softirq), idle (+ iowait) and steal
+    (the hypervisor ran something else while this guest wanted to run) as % of CPU time, and
+    the huge pages split (a guest's DAMON pageout splits cold 2 MiB pages it cannot swap out:
+    the KV cache and weights then cost TLB misses)."""
     if before is None or after is None:
         return None
-    d = [b - a for a, b in zip(before, after)]
+    d = [b - a for a, b in zip(before["cpu"], after["cpu"])]
     total = sum(d)
     if total <= 0:
         return None
     user, nice, system, idle, iowait, irq, softirq, steal = d
     pct = lambda x: round(100 * x / total, 1)  # noqa: E731
-    return {"busy": pct(user + nice + system + irq + softirq), "idle": pct(idle + iowait), "steal": pct(steal)}
+    return {"busy_pct": pct(user + nice + system + irq + softirq), "idle_pct": pct(idle + iowait),
+            "steal_pct": pct(steal), "thp_split_pmd": after["thp_split_pmd"] - before["thp_split_pmd"]}
