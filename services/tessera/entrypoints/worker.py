@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tessera import cluster_auth, logs
 from tessera.async_engine import AsyncEngine
 from tessera.config import ConfigError, EngineConfig
+from tessera.cpu_pinning import pin_engine_threads
 from tessera.engine import Engine
 from tessera.gc_heap import freeze_startup_heap
 from tessera.rpc import convert, options
@@ -189,7 +190,7 @@ async def serve(config: EngineConfig, host: str, port: int, build=None, role: st
     metrics_port serves the worker's Prometheus metrics over HTTP. Serves until SIGTERM or
     SIGINT, then drains (see _drain)."""
     one_malloc_arena()   # before the engine thread exists
-    engine = engine or AsyncEngine(build or (lambda: _warmed(Engine(config))), role=role)
+    engine = engine or AsyncEngine(build or (lambda: _warmed(_pinned(Engine(config)))), role=role)
     if metrics_port:
         from tessera.metrics import serve_worker_metrics
         serve_worker_metrics(engine, role, metrics_port, host)
@@ -229,6 +230,13 @@ def one_malloc_arena() -> None:
         ctypes.CDLL("libc.so.6").mallopt(-8, 1)    # M_ARENA_MAX
     except (OSError, AttributeError):
         pass
+
+
+def _pinned(engine: Engine) -> Engine:
+    """The engine's threads pinned (cpu_pinning.py), from the engine thread that built it and
+    runs its parallel regions, before the warm-up."""
+    pin_engine_threads(engine.config)
+    return engine
 
 
 def _record_step_graphs(engine: Engine, budget_s: float) -> None:
