@@ -50,12 +50,13 @@ bench() {     # name port (the model: the first one the server lists)
   summary "$1" "$OUT/$1-$NUM_PROMPTS.json" "$OUT/$1-c1.json"
 }
 
-summary() {   # name all.json c1.json: one line; the engine's share of the one-stream TTFT where the server says
+summary() {   # name all.json c1.json: one line; where the one-stream TTFT went, when the server says
   .venv/bin/python - "$@" <<'PY'
 import json, sys
 name, (a, c) = sys.argv[1], (json.load(open(p)) for p in sys.argv[2:])
 s = c.get("server_ms") or {}
-engine = f" (queue {s['queue']} + prefill {s['prefill']} ms in the engine)" if "prefill" in s and "queue" in s else ""
+out = c.get("ttft_outside_engine_ms")
+engine = f" (mean {c['ttft_ms']['mean']} = queue {s['queue']} + prefill {s['prefill']} + outside the engine {out})" if out is not None else ""
 m = a.get("machine") or {}
 print(f"{name}: {a['output_tok_s']} tok/s, steal {m.get('steal_pct')} %, huge pages split {m.get('thp_split_pmd')}; one stream: "
       f"TTFT p50 {c['ttft_ms']['p50']} ms{engine}, TPOT p50 {c['tpot_ms']['p50']} ms")

@@ -124,7 +124,7 @@ def test_finished_outputs_say_where_the_request_spent_its_time(tiny_models):
     assert len(steps) == 6
     for rid, first_step in (("first", 0), ("second", 3)):
         t = timings[rid]
-        scheduled = arrival + t.queue_s
-        assert within(scheduled, first_step) and within(scheduled + t.prefill_s, first_step), (rid, t, steps)
-        assert within(scheduled + t.prefill_s + t.decode_s, first_step + 2), (rid, t, steps)
-    assert timings["second"].queue_s > timings["first"].prefill_s + timings["first"].decode_s
+        scheduled = arrival + t.queue_time_s
+        assert within(scheduled, first_step) and within(scheduled + t.prefill_time_s, first_step), (rid, t, steps)
+        assert within(scheduled + t.prefill_time_s + t.decode_time_s, first_step + 2), (rid, t, steps)
+    assert timings["second"].queue_time_s > timings["first"].prefill_time_s + timings["first"].decode_time_s

@@ -8,10 +8,11 @@ from tessera_kernels import cbuild
 
 def bind_team(cpus: list[int]) -> bool:
     """Thread i of the calling thread's team (of len(cpus) threads; thread 0 is the caller) to
-    cpus[i]; False when the kernel cannot be built or a thread could not be pinned. Call it
-    from the thread that runs every parallel region afterwards: a team belongs to the thread
-    that starts it, and threads started later by a pinned thread inherit its one CPU."""
-    lib = cbuild.load("bind_threads")
+    cpus[i], or none of them: False when it cannot be built or a thread could not be pinned.
+    Call it from the thread that runs every parallel region afterwards: a team belongs to the
+    thread that starts it. Threads and processes started later by a pinned thread inherit its
+    one CPU. Built even where TESSERA_DISABLE_CPU_KERNELS turns the kernels off (it is not one)."""
+    lib = cbuild.load("bind_threads", kernel=False)
     if lib is None or not cpus:
         return False
     array = (ctypes.c_int * len(cpus))(*cpus)

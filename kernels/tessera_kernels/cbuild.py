@@ -30,10 +30,11 @@ _lock = threading.Lock()
 _libs: dict[tuple[str, tuple[str, ...]], ctypes.CDLL | None] = {}
 
 
-def load(name: str, flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+def load(name: str, flags: tuple[str, ...] = (), kernel: bool = True) -> ctypes.CDLL | None:
     """csrc/<name>.c compiled (with `flags` after the usual ones, e.g. "-mno-avx512bf16") and
-    loaded once per process; None when it cannot be built."""
-    if os.environ.get("TESSERA_DISABLE_CPU_KERNELS") == "1":
+    loaded once per process; None when it cannot be built. kernel=False: a helper that is no
+    kernel (bind_threads), loaded even when TESSERA_DISABLE_CPU_KERNELS turns the kernels off."""
+    if kernel and os.environ.get("TESSERA_DISABLE_CPU_KERNELS") == "1":
         return None
     with _lock:
         if (name, flags) not in _libs:

@@ -76,8 +76,8 @@ class AsyncEngine:
         (Engine.add_request); a rejection comes back as the stream's first item."""
         if not self.alive:
             raise Unavailable(f"engine loop is not running: {self.error}")
-        arrival = time.monotonic()   # its queue time counts the tokenizer and the inbox too
         prompt = self.processor.prompt_ids(request)
+        arrival = time.monotonic()   # queue time from here, the inbox included (vLLM's: after its tokenizer too)
         rid = request.request_id
         if rid in self._streams:
             raise InvalidRequest(f"request id {rid} is already running", "request_id")

@@ -175,6 +175,9 @@ class EngineConfig:
         "help": "longest prompt + completion (default: the model's)"})
     num_threads: int | None = field(default=None, metadata={
         "flag": "--threads", "help": "torch CPU threads (default: torch's choice)"})
+    pin_threads: bool = field(default=True, metadata={
+        "help": "a worker holding every core (no --threads, one torch thread per core) pins its threads one per "
+        "core (cpu_pinning.py); --no-pin-threads leaves them to the OS"})
     enforce_eager: bool = field(default=False, metadata={
         "help": "run every step through Python: no replayed decode steps (step_graph.py)"})
     graph_warmup_s: float = field(default=5.0, metadata={

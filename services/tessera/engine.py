@@ -53,7 +53,7 @@ class RequestOutput:
     accepted_tokens: int = 0          # speculative decoding: draft tokens accepted so far
     rejected_tokens: int = 0          # and verified but rejected so far
     cached_tokens: int = 0            # prompt tokens the prefix cache served (OpenAI's cached_tokens)
-    timings: RequestTimings | None = None   # the finished output only
+    timings: RequestTimings | None = None   # a request's last output, when it ended normally
 
 
 class EngineError(RuntimeError):
@@ -140,7 +140,7 @@ class Engine:
         ids against the vocabulary, lengths against the context and the KV cache, the queue
         bound), so nothing that enters a batch can make a step raise. Raises ConfigError
         (ContextLengthError) for a bad request, QueueFull when the queue is full.
-        arrival_time: when the worker received it (time.monotonic(); default: now)."""
+        arrival_time: when the worker had it tokenized (time.monotonic(); default: now)."""
         request_id = request_id or f"req-{next(self._ids)}"
         resume = resume or Resume()
         sampling = self.resolve(len(prompt_token_ids) + len(resume.output_token_ids), sampling)

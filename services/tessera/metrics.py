@@ -9,6 +9,7 @@ from tessera.worker_api import GenerateChunk, WorkerInfo
 
 _EMITTED = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 32)
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_REQUEST_TIME = _LATENCY + (120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)   # a CPU decode can take minutes (vLLM's top)
 
 
 class WorkerCollector:
@@ -150,8 +151,8 @@ class GatewayMetrics:
                                     labels, registry=r)
         # vLLM's request_{queue,prefill,decode,inference}_time_seconds, as the worker measured them
         self._phases = {phase: Histogram(f"tessera_request_{phase}_time_seconds", help_, labels,
-                                         buckets=_LATENCY, registry=r)
-                        for phase, help_ in (("queue", "Worker received -> first scheduled"),
+                                         buckets=_REQUEST_TIME, registry=r)
+                        for phase, help_ in (("queue", "Worker tokenized -> first scheduled"),
                                              ("prefill", "First scheduled -> first output token"),
                                              ("decode", "First output token -> finished"),
                                              ("inference", "First scheduled -> finished"))}
@@ -187,8 +188,8 @@ class GatewayMetrics:
         self._prefix_hits.labels(m).inc(chunk.cached_tokens)
         t = chunk.timings
         if t is not None:
-            for phase, seconds in (("queue", t.queue_s), ("prefill", t.prefill_s), ("decode", t.decode_s),
-                                   ("inference", t.prefill_s + t.decode_s)):
+            for phase, seconds in (("queue", t.queue_time_s), ("prefill", t.prefill_time_s),
+                                   ("decode", t.decode_time_s), ("inference", t.prefill_time_s + t.decode_time_s)):
                 self._phases[phase].labels(m).observe(seconds)
 
     def count(self, status: int) -> None:

@@ -40,13 +40,14 @@ class Resume:
 @dataclass(frozen=True)
 class RequestTimings:
     """Where a finished request's time went inside the worker that finished it, in seconds
-    (vLLM's request queue / prefill / decode times): received -> first scheduled -> first
+    (vLLM's request queue / prefill / decode times): tokenized -> first scheduled -> first
     token -> finished. The client's TTFT minus queue + prefill is the served path around the
-    engine (HTTP, gateway, gRPC). A resumed request counts from its arrival at this worker."""
+    engine (HTTP, gateway, gRPC, tokenizer). A resumed request counts from its arrival at this
+    worker."""
 
-    queue_s: float
-    prefill_s: float
-    decode_s: float
+    queue_time_s: float
+    prefill_time_s: float
+    decode_time_s: float
 
 
 @dataclass(eq=False)

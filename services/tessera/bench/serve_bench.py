@@ -8,8 +8,9 @@ prompt); cached_prompt_tokens sums the server's usage.prompt_tokens_details.cach
 TTFT: send -> first streamed token; TPOT: (E2E - TTFT) / (tokens - 1) per request; ITL: gaps
 between streamed chunks; E2E: send -> last chunk; output tokens/s: all output tokens / wall time.
 server_ms: the server's own mean queue / prefill / decode times over the run, from its /metrics
-(Tessera's and vLLM's; bench/server_side.py); ttft_outside_engine_ms: the mean TTFT minus the
-mean queue + prefill (HTTP, the gateway or API server, gRPC or IPC, tokenization); machine:
+(Tessera's and vLLM's, both from the tokenized request on; bench/server_side.py);
+ttft_outside_engine_ms: the mean TTFT minus the mean queue + prefill (HTTP, the gateway or API
+server, tokenization, gRPC or IPC; None unless the server counted every completed request); machine:
 this machine's busy / idle / steal CPU time and huge pages split over the run.
 
 The streams are read by a plain HTTP/1.1 client on asyncio's streams (one connection per
@@ -164,8 +165,8 @@ async def run(a: argparse.Namespace) -> dict:
         results = await asyncio.gather(*tasks)
         wall = time.perf_counter() - start
         machine = server_side.machine_delta(machine_before, server_side.machine_counters())
-        server = server_side.phase_means_ms(metrics_before, await server_side.scrape(client, a.base_url))
-    ok = [r for r in results if r["ok"]]
+        ok = [r for r in results if r["ok"]]
+        server = await server_side.phase_means_after(client, a.base_url, metrics_before, len(ok))
     ttft = _percentiles([r["ttft"] for r in ok])
     out_tokens = sum(r["tokens"] for r in ok)
     return {
@@ -184,8 +185,8 @@ async def run(a: argparse.Namespace) -> dict:
         "e2e_ms": _percentiles([r["e2e"] for r in ok]),
         "server_ms": server,
         "ttft_outside_engine_ms": (round(ttft["mean"] - server["queue"] - server["prefill"], 2)
-                                   if server and ttft["mean"] is not None and "prefill" in server
-                                   and "queue" in server else None),
+                                   if server and server["requests"] == len(ok) and ttft["mean"] is not None
+                                   and "prefill" in server and "queue" in server else None),
         "machine": machine,
     }
 

@@ -6,6 +6,8 @@ machine and the client's TTFT split into the engine's share and the rest.
 """
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 
 PHASES = ("queue", "prefill", "decode")
@@ -40,8 +42,19 @@ def phase_means_ms(before: dict, after: dict) -> dict | None:
         s0, n0 = before.get(phase, (0.0, 0.0))
         if n1 > n0:
             means[phase] = round((s1 - s0) / (n1 - n0) * 1000, 2)
-            means["requests"] = int(n1 - n0)
+            means["requests"] = min(means.get("requests", n1 - n0), int(n1 - n0))
     return means or None
+
+
+async def phase_means_after(client: httpx.AsyncClient, base_url: str, before: dict, finished: int) -> dict | None:
+    """phase_means_ms once the server counts the `finished` requests (vLLM records its
+    histograms after the last token has gone out: up to 2 s of scrapes)."""
+    for _ in range(10):
+        means = phase_means_ms(before, await scrape(client, base_url))
+        if means is None or means["requests"] >= finished:
+            return means
+        await asyncio.sleep(0.2)
+    return means
 
 
 def machine_counters() -> dict | None:

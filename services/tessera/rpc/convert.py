@@ -80,7 +80,7 @@ def chunk_to_proto(c: GenerateChunk) -> worker_pb2.GenerateResponse:
     t = c.timings
     return worker_pb2.GenerateResponse(
         timings=None if t is None else worker_pb2.RequestTimings(
-            queue_time_s=t.queue_s, prefill_time_s=t.prefill_s, decode_time_s=t.decode_s),
+            queue_time_s=t.queue_time_s, prefill_time_s=t.prefill_time_s, decode_time_s=t.decode_time_s),
         text=c.text, token_ids=list(c.token_ids), finish_reason=c.finish_reason or "",
         usage=common_pb2.Usage(prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens),
         prompt_token_ids=list(c.prompt_token_ids), accepted_prediction_tokens=c.accepted_tokens,

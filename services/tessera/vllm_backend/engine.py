@@ -183,7 +183,7 @@ def tokenizer_digest(tokenizer) -> str:
 def vllm_timings(stats) -> RequestTimings | None:
     """vLLM's own per-request timestamps (its engine core's clock; kept because the stats
     logger below turns its log_stats on) as queue / prefill / decode seconds."""
-    if stats is None or not stats.scheduled_ts or not stats.first_token_ts:
+    if stats is None or not (stats.queued_ts and stats.scheduled_ts and stats.first_token_ts):
         return None
     return RequestTimings(stats.scheduled_ts - stats.queued_ts, stats.first_token_ts - stats.scheduled_ts,
                           max(stats.last_token_ts - stats.first_token_ts, 0.0))
