@@ -42,7 +42,7 @@ def phase_means_ms(before: dict, after: dict) -> dict | None:
         s0, n0 = before.get(phase, (0.0, 0.0))
         if n1 > n0:
             means[phase] = round((s1 - s0) / (n1 - n0) * 1000, 2)
-            means["requests"] = min(means.get("requests", n1 - n0), int(n1 - n0))
+            means["requests"] = min(means.get("requests", int(n1 - n0)), int(n1 - n0))
     return means or None
 
 
