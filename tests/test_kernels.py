@@ -550,6 +550,25 @@ def test_tile_linear_pack_puts_each_weight_where_the_c_source_says(dtype):
             assert packed[panel * 3 * L * K + (p * nv + b) * L * pair + pair * j + q] == w[n, k]
 
 
+@pytest.mark.skipif(not tile_linear.available(torch.bfloat16), reason="no bf16 register-tile linear here")
+@pytest.mark.parametrize("M", [16, 45, 300])
+def test_tile_linear_bf16_fma_tiles_give_the_same_bits_at_any_row_count(M):
+    """The AVX2 build runs the FMA tiles two ways: pair tiles below 16 rows, panels unpacked to
+    float32 (inputs swapped within each pair) from 16 rows on; both must add every output's
+    products in the same order. So M rows at once equal the same rows 8 at a time, bit for bit
+    (a swap left out changes last bits; on AVX-512 builds both calls run one tile). 300 rows:
+    a 256-row chunk on the panels, then 44."""
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(M, 1536, generator=g).bfloat16()
+    w = torch.randn(96, 1536, generator=g).bfloat16()
+    b = torch.randn(96, generator=g).bfloat16()
+    packed = tile_linear.pack(w)
+    whole = tile_linear.linear(x, packed, b, 96, tiles="fma")
+    rows = [tile_linear.linear(x[i:i + 8], packed, b, 96, tiles="fma") if M - i >= tile_linear.BF16_MIN_ROWS
+            else tile_linear.linear(x[i - 8:i + 8], packed, b, 96, tiles="fma")[8:] for i in range(0, M, 8)]
+    assert torch.equal(whole, torch.cat(rows))
+
+
 def test_tile_linear_applies_to_bf16_from_five_rows_and_float32_from_one():
     w = torch.zeros(48, 64, dtype=torch.bfloat16)
     ok = tile_linear.available(torch.bfloat16)

@@ -24,48 +24,40 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "tile_f32.h"
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
+#include <omp.h>
 
 /* The FMA tiles' vectors: L float32 lanes (L output columns per block), as tile_linear_f32.c. */
 #if defined(__AVX512F__)
-#define L 16
 #define MR 8       /* rows per register tile: 8 x 3 accumulators of the 32 registers */
-typedef __m512 vec;
+#define PANEL_F32 0
+#define PANEL_MIN_ROWS 0
 typedef __m512i veci;
-#define vzero _mm512_setzero_ps
-#define vadd _mm512_add_ps
-#define vfma _mm512_fmadd_ps
-#define vbroadcast _mm512_set1_ps
-#define vloadf _mm512_loadu_ps
 #define vloadi(p) _mm512_loadu_si512((const void *)(p))
 #define vshl16(w) _mm512_castsi512_ps(_mm512_slli_epi32(w, 16))
 #define vhigh16(w) _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xFFFF0000u)))
 #else
-#define L 8
-/* 3 x 3 accumulators of AVX2's 16 registers, with a panel's six weight vectors (4 rows with the
- * weight vectors made per block and x broadcast per block: 0.75x as fast at 256 rows, the
- * broadcasts filling the load ports) */
+/* 3 x 3 accumulators of AVX2's 16 registers, with a panel's six weight vectors, below 16 rows
+ * (where the weights' bytes set the pace); from 16 rows on, each panel unpacked to float32 for
+ * tile_linear_f32.c's 4 x 3 tile (below). Zen 3, SmolLM2's linears, medians of 7 interleaved
+ * passes: 5 rows 28.6 unpacked against 23.4 ms, 8 rows 42.4 / 33.8, 16 rows 55.5 / 57.7, 32 rows
+ * 81.5 / 103.4. */
 #define MR 3
-typedef __m256 vec;
+#define PANEL_F32 1
+#define PANEL_MIN_ROWS 16
 typedef __m256i veci;
-#define vzero _mm256_setzero_ps
-#define vadd _mm256_add_ps
-#define vfma _mm256_fmadd_ps
-#define vbroadcast _mm256_set1_ps
-#define vloadf _mm256_loadu_ps
 #define vloadi(p) _mm256_loadu_si256((const __m256i *)(p))
 #define vshl16(w) _mm256_castsi256_ps(_mm256_slli_epi32(w, 16))
 #define vhigh16(w) _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xFFFF0000u)))
 #endif
 
-#define NV_MAX 3   /* L-column blocks per panel */
 /* The FMA tiles ask for the panel's weights 4 KiB ahead: a panel is read from memory by its
  * first row tile (from L2 by the next ones), and the hardware prefetcher alone kept that tile
  * waiting on an Intel Xeon (model 207, SmolLM2's 121 linears: 8 rows 20.2 -> 14.0 ms, 64 rows
  * 74.6 -> 69.3 ms; 2 and 8 KiB the same). */
 #define AHEAD_ELEMS 2048
-#define M_CHUNK 256 /* rows of x per pass over the panels (a chunk of x stays in L2) */
 
 /* f rounded to bf16 into p (L values). Without AVX512-BF16 (Intel Cascade Lake, AVX2) as
  * vcvtneps2bf16 rounds: to the nearest, ties to even; a NaN stays a NaN (its low bits carried
@@ -97,7 +89,7 @@ static inline void store_bf16(uint16_t *p, vec f) {
 #endif
 
 /* The tile's accumulators (+ bias) rounded once to bf16 into y. */
-static inline __attribute__((always_inline)) void store_tile(vec acc[MR][NV_MAX], const float *bias, uint16_t *y,
+static inline __attribute__((always_inline)) void store_tile(vec acc[][NV_MAX], const float *bias, uint16_t *y,
                                                              int64_t ys, const int mr, const int nv) {
     for (int r = 0; r < mr; r++)
         for (int v = 0; v < nv; v++)
@@ -126,13 +118,39 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
 }
 #endif
 
+#if PANEL_F32
+/* AVX2's 16 registers hold no pair tile worth having: both inputs' weight vectors at once left
+ * 3 x 3 accumulators (AMD Zen 3, SmolLM2's linears at 64 rows: 78-94 GFLOP/s, float32's tiles
+ * 137-153). So each thread unpacks a panel to float32 once per pass over the rows (K * 96 bytes,
+ * kept in L2 while every row tile runs over it) and runs tile_linear_f32.c's 4 x 3 tile: the
+ * weights still cross memory as bf16, and unpacking costs a few percent of the tile's FMAs at
+ * 64 rows. Each pair goes in odd input first (2p + 1, then 2p), and x the same way (the
+ * caller's xf), so every accumulator takes its products in tile_fma's order below. */
+static void unpack_panel(const uint16_t *wp, float *wf, int KP, int nv) {
+    for (int p = 0; p < KP; p++)
+        for (int v = 0; v < nv; v++) {
+            const veci w = vloadi(wp + ((int64_t)p * nv + v) * 2 * L);
+            vstoref(wf + ((int64_t)2 * p * nv + v) * L, vhigh16(w));
+            vstoref(wf + ((int64_t)(2 * p + 1) * nv + v) * L, vshl16(w));
+        }
+}
+
+static inline __attribute__((always_inline)) void tile_panel(const float *xf, int64_t xs, const float *wf,
+                                                             const float *bias, uint16_t *y, int64_t ys,
+                                                             int K, const int mr, const int nv) {
+    vec acc[TILE_F32_ROWS][NV_MAX];
+    tile_f32(xf, xs, wf, K, mr, nv, acc);
+    store_tile(acc, bias, y, ys, mr, nv);
+}
+#endif
+
 /* The same tile by float32 FMAs, for cores that run vdpbf16ps at a fraction of their FMA rate
  * (an Intel Xeon model 207 with AMX hidden by the hypervisor: one core peaks at 77-84 GFLOP/s
- * of vdpbf16ps against 163-170 of FMAs) or have none (Cascade Lake, AVX2). One load of a pair
- * block gives both inputs' weights as float32, the even one shifted up 16 bits and the odd one
- * with its low 16 bits cleared, so the weights still cross memory as bf16; x comes as float32
- * (xf, converted once per call) and is broadcast from memory by the FMA itself. A bf16 product
- * is exact in float32, so each FMA rounds once, as vdpbf16ps does per input on Intel (odd input
+ * of vdpbf16ps against 163-170 of FMAs) or have none (Cascade Lake). One load of a pair block
+ * gives both inputs' weights as float32, the even one shifted up 16 bits and the odd one with
+ * its low 16 bits cleared, so the weights still cross memory as bf16; x comes as float32 (xf,
+ * converted once per call) and is broadcast from memory by the FMA itself. A bf16 product is
+ * exact in float32, so each FMA rounds once, as vdpbf16ps does per input on Intel (odd input
  * first, then even: the order of its pseudocode; the two tiles' results were equal bit for bit
  * there). */
 static inline __attribute__((always_inline)) void tile_fma(const float *xf, int64_t xs, const uint16_t *wp,
@@ -159,13 +177,13 @@ static inline __attribute__((always_inline)) void tile_fma(const float *xf, int6
 }
 
 /* One call per (rows, blocks) pair, so each is compiled with constant loop bounds and its
- * accumulators live in registers. */
-#define TILE(F, MRV, NVV) case (MRV) * 4 + (NVV): F(x, xs, wp, bias, y, ys, KP, MRV, NVV); break;
+ * accumulators live in registers. depth: the tile's K (pairs of inputs for the packed bf16). */
+#define TILE(F, MRV, NVV) case (MRV) * 4 + (NVV): F(x, xs, wp, bias, y, ys, depth, MRV, NVV); break;
 #define TILES(F, MRV) TILE(F, MRV, 1) TILE(F, MRV, 2) TILE(F, MRV, 3)
 
 #if HAVE_DOT_BF16
 static void tile_any(const uint16_t *x, int64_t xs, const uint16_t *wp, const float *bias, uint16_t *y,
-                     int64_t ys, int KP, int mr, int nv) {
+                     int64_t ys, int depth, int mr, int nv) {
     switch (mr * 4 + nv) {
         TILES(tile, 1) TILES(tile, 2) TILES(tile, 3) TILES(tile, 4)
         TILES(tile, 5) TILES(tile, 6) TILES(tile, 7) TILES(tile, 8)
@@ -173,15 +191,21 @@ static void tile_any(const uint16_t *x, int64_t xs, const uint16_t *wp, const fl
 }
 #endif
 
+#if PANEL_F32
+static void tile_panel_any(const float *x, int64_t xs, const float *wp, const float *bias, uint16_t *y,
+                           int64_t ys, int depth, int mr, int nv) {
+    switch (mr * 4 + nv) {
+        TILES(tile_panel, 1) TILES(tile_panel, 2) TILES(tile_panel, 3) TILES(tile_panel, 4)
+    }
+}
+#endif
+
 static void tile_fma_any(const float *x, int64_t xs, const uint16_t *wp, const float *bias, uint16_t *y,
-                         int64_t ys, int KP, int mr, int nv) {
+                         int64_t ys, int depth, int mr, int nv) {
     switch (mr * 4 + nv) {
         TILES(tile_fma, 1) TILES(tile_fma, 2) TILES(tile_fma, 3)
 #if MR > 3
-        TILES(tile_fma, 4)
-#endif
-#if MR > 4
-        TILES(tile_fma, 5) TILES(tile_fma, 6) TILES(tile_fma, 7) TILES(tile_fma, 8)
+        TILES(tile_fma, 4) TILES(tile_fma, 5) TILES(tile_fma, 6) TILES(tile_fma, 7) TILES(tile_fma, 8)
 #endif
     }
 }
@@ -195,42 +219,62 @@ int tile_linear_bf16_lanes(void) { return L; }
  * vdpbf16ps tiles, 1 for the FMA ones. Returns 0, -1 for shapes out of range, -2 for no memory. */
 int tile_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const float *bias, uint16_t *y,
                      int M, int N, int K, int threads, int fma) {
-    if (M < 1 || N % L || K % 2 || x_stride < K || (!fma && !HAVE_DOT_BF16)) return -1;
+    if (M < 1 || N % L || K % 2 || x_stride < K || threads < 1 || (!fma && !HAVE_DOT_BF16)) return -1;
     const int KP = K / 2, NB = N / L, panels = (NB + NV_MAX - 1) / NV_MAX;
-    float *xf = NULL;
+    const int64_t panel_f32 = (int64_t)K * NV_MAX * L;   /* one thread's unpacked panel */
+    float *xf = NULL, *wf = NULL;
     if (fma && !(xf = (float *)malloc(sizeof(float) * (size_t)(M < M_CHUNK ? M : M_CHUNK) * K))) return -2;
+    if (fma && PANEL_F32 && M >= PANEL_MIN_ROWS && !(wf = (float *)malloc(sizeof(float) * (size_t)(threads * panel_f32)))) {
+        free(xf);
+        return -2;
+    }
     for (int m0 = 0; m0 < M; m0 += M_CHUNK) {
         const int m1 = M - m0 < M_CHUNK ? M : m0 + M_CHUNK;
+        const int unpack = PANEL_F32 && fma && m1 - m0 >= PANEL_MIN_ROWS;
         #pragma omp parallel num_threads(threads)
         {
-            if (fma) {   /* this chunk of x as float32: a bf16 is the top half of its float32 */
+            if (fma) {   /* this chunk of x as float32 (a bf16 is the top half of its float32), each
+                            pair swapped for the unpacked panels */
                 #pragma omp for schedule(static)
                 for (int r = m0; r < m1; r++)
                     for (int k = 0; k < K; k++) {
                         const uint32_t bits = (uint32_t)x[(int64_t)r * x_stride + k] << 16;
-                        memcpy(xf + (int64_t)(r - m0) * K + k, &bits, sizeof bits);
+                        memcpy(xf + (int64_t)(r - m0) * K + (k ^ unpack), &bits, sizeof bits);
                     }
             }
+#if PANEL_F32
+            float *panel = unpack ? wf + omp_get_thread_num() * panel_f32 : NULL;
+#endif
             #pragma omp for schedule(static)
             for (int pn = 0; pn < panels; pn++) {
                 const int nv = NB - pn * NV_MAX < NV_MAX ? NB - pn * NV_MAX : NV_MAX;
                 const uint16_t *wp = w + (int64_t)pn * NV_MAX * KP * 2 * L;
                 const int n0 = pn * NV_MAX * L;
+                const float *b = bias ? bias + n0 : 0;
+#if PANEL_F32
+                if (unpack) {
+                    unpack_panel(wp, panel, KP, nv);
+                    for (int r = m0; r < m1; r += TILE_F32_ROWS) {
+                        const int mr = m1 - r < TILE_F32_ROWS ? m1 - r : TILE_F32_ROWS;
+                        tile_panel_any(xf + (int64_t)(r - m0) * K, K, panel, b, y + (int64_t)r * N + n0, N, K, mr, nv);
+                    }
+                    continue;
+                }
+#endif
                 for (int r = m0; r < m1; r += MR) {
                     const int mr = m1 - r < MR ? m1 - r : MR;
                     if (fma)
-                        tile_fma_any(xf + (int64_t)(r - m0) * K, K, wp, bias ? bias + n0 : 0,
-                                     y + (int64_t)r * N + n0, N, KP, mr, nv);
+                        tile_fma_any(xf + (int64_t)(r - m0) * K, K, wp, b, y + (int64_t)r * N + n0, N, KP, mr, nv);
 #if HAVE_DOT_BF16
                     else
-                        tile_any(x + r * x_stride, x_stride, wp, bias ? bias + n0 : 0, y + (int64_t)r * N + n0, N,
-                                 KP, mr, nv);
+                        tile_any(x + r * x_stride, x_stride, wp, b, y + (int64_t)r * N + n0, N, KP, mr, nv);
 #endif
                 }
             }
         }
     }
     free(xf);
+    free(wf);
     return 0;
 }
 

@@ -7,70 +7,22 @@
  * 103 -> 85 ms).
  *
  * The same panels as tile_linear_bf16.c, with single inputs instead of pairs and L lanes per
- * vector (16 with AVX-512, 8 with AVX2):
+ * vector (16 with AVX-512, 8 with AVX2), the register tile in tile_f32.h:
  *   packed[panel_start + (k * nv + b) * L + j] = W[L * (NV_MAX * panel + b) + j][k]
- * A register tile is MR rows x nv vectors of accumulators (8 x 3 of the 32 AVX-512 registers,
- * 4 x 3 of AVX2's 16), each weight vector feeding MR rows.
  */
 #include <stdint.h>
 
+#include "tile_f32.h"
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-
-#if defined(__AVX512F__)
-#define L 16
-#define MR 8
-typedef __m512 vec;
-#define vzero _mm512_setzero_ps
-#define vload _mm512_loadu_ps
-#define vstore _mm512_storeu_ps
-#define vfma _mm512_fmadd_ps
-#define vadd _mm512_add_ps
-#define vbroadcast _mm512_set1_ps
-#else
-#define L 8
-#define MR 4
-typedef __m256 vec;
-#define vzero _mm256_setzero_ps
-#define vload _mm256_loadu_ps
-#define vstore _mm256_storeu_ps
-#define vfma _mm256_fmadd_ps
-#define vadd _mm256_add_ps
-#define vbroadcast _mm256_set1_ps
-#endif
-
-/* A weight vector pinned to a register once loaded. With AVX2's 16 registers (12 accumulators,
- * 3 weight vectors, 1 broadcast) GCC 12 otherwise folds the weight loads into the FMAs, reading
- * each vector once per row (16 loads per 12 FMAs instead of 7): on an AMD EPYC Zen 3 SmolLM2's
- * linears at 64 rows ran at 76-78 GFLOP/s of the 237 two cores peak at, pinned 135-137. The
- * AVX-512 build (32 registers) keeps its own allocation. */
-#if defined(__AVX512F__)
-#define IN_REGISTER(x) (void)0
-#else
-#define IN_REGISTER(x) __asm__("" : "+x"(x))
-#endif
-#define NV_MAX 3      /* L-column blocks per panel */
-#define M_CHUNK 256   /* rows of x per pass over the panels */
+#define MR TILE_F32_ROWS
 
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t xs, const float *wp, const float *bias,
                                                        float *y, int64_t ys, int K, const int mr, const int nv) {
     vec acc[MR][NV_MAX];
+    tile_f32(x, xs, wp, K, mr, nv, acc);
     for (int r = 0; r < mr; r++)
-        for (int v = 0; v < nv; v++) acc[r][v] = vzero();
-    for (int k = 0; k < K; k++) {
-        const float *wk = wp + (int64_t)k * nv * L;
-        vec w[NV_MAX];
-        for (int v = 0; v < nv; v++) {
-            w[v] = vload(wk + L * v);
-            IN_REGISTER(w[v]);
-        }
-        for (int r = 0; r < mr; r++) {
-            const vec a = vbroadcast(x[r * xs + k]);
-            for (int v = 0; v < nv; v++) acc[r][v] = vfma(a, w[v], acc[r][v]);
-        }
-    }
-    for (int r = 0; r < mr; r++)
-        for (int v = 0; v < nv; v++) vstore(y + r * ys + L * v, bias ? vadd(acc[r][v], vload(bias + L * v)) : acc[r][v]);
+        for (int v = 0; v < nv; v++) vstoref(y + r * ys + L * v, bias ? vadd(acc[r][v], vloadf(bias + L * v)) : acc[r][v]);
 }
 
 /* One call per (rows, blocks) pair, compiled with constant loop bounds (see tile_linear_bf16.c). */
