@@ -29,26 +29,32 @@ def cpu_flags(cpuinfo: str) -> set[str]:
 
 
 def test_auto_dtype_is_bfloat16_iff_the_cpu_runs_bf16_linears_at_float32_speed(monkeypatch):
-    """The rule, on this machine's flags and on made-up ones, never one machine's answer."""
+    """The rule, on this machine's flags and on made-up ones, never one machine's answer; and
+    vLLM's own auto, which is bf16 only where the CPU multiplies it (its bf16 is emulated
+    elsewhere)."""
     import os
 
     import torch
 
     from tessera import engine
+    from tessera.vllm_backend.engine import vllm_dtype
     from tessera_kernels import cbuild, tile_linear
     here = cpu_flags(open("/proc/cpuinfo").read()) if os.path.exists("/proc/cpuinfo") else set()
-    tiles_here = "avx512f" in here and tile_linear.available(torch.bfloat16)
-    want = torch.bfloat16 if here & {"amx_bf16", "avx512_bf16"} or tiles_here else torch.float32
+    native_here = bool(here & {"amx_bf16", "avx512_bf16"})
+    want = torch.bfloat16 if native_here or tile_linear.available(torch.bfloat16) else torch.float32
     assert engine.resolve_dtype("auto") == want
-    for flags, tiles, dtype in (("fpu sse avx2", True, torch.float32),            # AVX2 only
-                                ("fpu sse avx2 avx512f", True, torch.bfloat16),   # Cascade Lake, tiles built
-                                ("fpu sse avx2 avx512f", False, torch.float32),   # ... no compiler
-                                ("avx512f avx512_bf16", False, torch.bfloat16),
-                                ("amx_tile amx_bf16 amx_int8", False, torch.bfloat16)):
+    assert vllm_dtype("auto") == ("bfloat16" if native_here else "float32")
+    for flags, tiles, dtype, vllm in (("fpu sse avx2 fma", True, torch.bfloat16, "float32"),       # AVX2 (Zen 3)
+                                      ("fpu sse avx2 fma", False, torch.float32, "float32"),      # ... no compiler
+                                      ("fpu sse avx2 avx512f", True, torch.bfloat16, "float32"),  # Cascade Lake
+                                      ("fpu sse", False, torch.float32, "float32"),
+                                      ("avx512f avx512_bf16", False, torch.bfloat16, "bfloat16"),
+                                      ("amx_tile amx_bf16 amx_int8", False, torch.bfloat16, "bfloat16")):
         monkeypatch.setattr(cbuild, "_cpu_id", lambda: f"processor\t: 0\nflags\t\t: {flags}\n".encode())
         monkeypatch.setattr(tile_linear, "available", lambda dtype: tiles)
         cbuild.cpu_flags.cache_clear()
         assert engine.resolve_dtype("auto") == dtype, flags
+        assert vllm_dtype("auto") == vllm and vllm_dtype("bfloat16") == "bfloat16", flags
     cbuild.cpu_flags.cache_clear()
     assert engine.resolve_dtype("float32") == torch.float32 and engine.resolve_dtype("bfloat16") == torch.bfloat16
 

@@ -11,8 +11,8 @@
   once per process): 64 rows 116-120 (oneDNN) -> 67-70 ms, 8 rows 26 -> 14 ms. Cores without
   AVX512-BF16 get the FMA tiles only, where torch emulates bf16 products: 16 lanes on AVX-512
   (Intel Cascade Lake: bf16 then decodes in 0.52-0.84x float32's time, so it is --dtype auto
-  there), 8 on AVX2 (built for AVX2 on Cascade Lake: 8 rows 1.5x float32's tiles and 3.7x
-  F.linear's bf16, 64-256 rows 0.88x float32's tiles; float32 stays auto there).
+  there), 8 on AVX2, where from 16 rows on each panel is unpacked to float32 for the float32
+  tile (AMD Zen 3, 64 rows: 94 -> 156 GFLOP/s, float32's tiles 153-165; bf16 is auto there too).
 - float32, any row count, on CPUs with AVX2 and FMA (float32 is --dtype auto where the CPU has
   no native bf16): 1 row 22-23 -> 11-16.5 ms, 64 rows 92-97 -> 83-85 ms (Zen 4; see the C source).
 

@@ -167,7 +167,7 @@ class EngineConfig:
         "help": "'smollm2' (default), random:ARCH, an HF directory or a .gguf file"})
     dtype: str = field(default="auto", metadata={
         "choices": ("auto", "float32", "bfloat16"),
-        "help": "auto: bfloat16 where the CPU has AMX, AVX512-BF16 or AVX-512 (bf16 register tiles), else float32"})
+        "help": "auto: bfloat16 where the CPU has AMX, AVX512-BF16, or AVX-512 or AVX2 with FMA (bf16 register tiles), else float32"})
     quantization: str | None = field(default=None, metadata={
         "help": "weight-only quantized linears: int8, int4 (group 32), int3, gguf (serve a GGUF's own Q4 "
         "blocks), or a plan JSON with per-layer 'bits' (tessera plan pq); default: dense"})
