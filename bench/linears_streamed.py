@@ -18,14 +18,16 @@ rows = [int(a) for a in args if a != "float32"] or [8, 16, 32, 64]
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30 + [(576, 49152)]   # (K, N)
 FLOPS_PER_ROW = sum(2 * K * N for K, N in SHAPES)
 weights = [torch.randn(N, K).to(dtype) for K, N in SHAPES]
-onednn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+# oneDNN has no bf16 linear on AVX2-only CPUs ("bf16 path needs avx_ne_convert or avx512bw")
+with_onednn = dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+onednn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights] if with_onednn else []
 kernels = {name: (k, [k.pack(w) for w in weights]) for name, k, ok in
            (("AMX tiles", amx_linear, dtype == torch.bfloat16 and amx_linear.available()),
             ("register tiles", tile_linear, tile_linear.available(dtype))) if ok}
 for M in rows:
     xs = {K: torch.randn(M, K).to(dtype) for K, _ in SHAPES}
     runs = {"oneDNN": lambda: [torch.ops.mkldnn._linear_pointwise(xs[K], w, None, "none", [], "")
-                               for (K, _), w in zip(SHAPES, onednn)]}
+                               for (K, _), w in zip(SHAPES, onednn)]} if with_onednn else {}
     for name, (k, packed) in kernels.items():
         if k.applies(xs[576], weights[0]):
             runs[name] = lambda k=k, packed=packed: [k.linear(xs[K], w, None, N) for (K, N), w in zip(SHAPES, packed)]

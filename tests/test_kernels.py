@@ -515,18 +515,20 @@ def test_tile_linear_matches_its_reference_and_onednn(dtype, tiles, M, N, K, bia
 
 @pytest.mark.skipif(not tile_linear.available(torch.bfloat16), reason="no bf16 register-tile linear here")
 @pytest.mark.parametrize("tiles", tile_linear.TILES)
-def test_tile_linear_bf16_rounds_to_nearest_even_and_keeps_nan_and_infinities(tiles):
+@pytest.mark.parametrize("copies", [1, 2])
+def test_tile_linear_bf16_rounds_to_nearest_even_and_keeps_nan_and_infinities(tiles, copies):
     """Each output is x[r, 0] + x[r, 1] (W's two columns are 1), exact in float32, so the bf16
     result must be that sum rounded to nearest, ties to even, as torch rounds it: halfway cases
     both ways, a carry into the exponent, the largest finite value rounding to infinity, NaN
-    and infinities (on Cascade Lake this is the emulated rounding, elsewhere vcvtneps2bf16)."""
+    and infinities (on Cascade Lake and AVX2 the emulated rounding, elsewhere vcvtneps2bf16).
+    11 rows, and twice those (22: on AVX2 the unpacked panels' tile)."""
     if tiles not in tile_linear.built_tiles():
         pytest.skip("no AVX512-BF16 here: the FMA tiles only")
     big = torch.finfo(torch.bfloat16).max
     pairs = [(1.0, 2.0 ** -8), (1.0 + 2.0 ** -7, 2.0 ** -8), (-1.0, -(2.0 ** -8)), (1.0, 2.0 ** -9),
              (2.0 - 2.0 ** -7, 2.0 ** -8), (big, big * 2.0 ** -8), (float("inf"), 1.0), (float("-inf"), 1.0),
              (float("nan"), 1.0), (0.0, -0.0), (3.0, 2.0 ** -7)]
-    x = torch.tensor(pairs, dtype=torch.bfloat16)
+    x = torch.tensor(pairs * copies, dtype=torch.bfloat16)
     w = torch.ones(16, 2, dtype=torch.bfloat16)
     y = tile_linear.linear(x, tile_linear.pack(w), None, 16, tiles=tiles)
     expected = (x[:, :1].float() + x[:, 1:].float()).bfloat16().expand(-1, 16)
@@ -554,20 +556,22 @@ def test_tile_linear_pack_puts_each_weight_where_the_c_source_says(dtype):
 
 @pytest.mark.skipif(not tile_linear.available(torch.bfloat16), reason="no bf16 register-tile linear here")
 @pytest.mark.parametrize("M", [16, 45, 300])
-def test_tile_linear_bf16_fma_tiles_give_the_same_bits_at_any_row_count(M):
+@pytest.mark.parametrize("N,K", [(96, 1536), (80, 34), (112, 130)])
+def test_tile_linear_bf16_fma_tiles_give_the_same_bits_at_any_row_count(M, N, K):
     """The AVX2 build runs the FMA tiles two ways: pair tiles below 16 rows, panels unpacked to
     float32 (inputs swapped within each pair) from 16 rows on; both must add every output's
     products in the same order. So M rows at once equal the same rows 8 at a time, bit for bit
     (a swap left out changes last bits; on AVX-512 builds both calls run one tile). 300 rows:
-    a 256-row chunk on the panels, then 44."""
-    g = torch.Generator().manual_seed(M)
-    x = torch.randn(M, 1536, generator=g).bfloat16()
-    w = torch.randn(96, 1536, generator=g).bfloat16()
-    b = torch.randn(96, generator=g).bfloat16()
+    a 256-row chunk on the panels, then 44; N 80 and 112: a narrower last panel (of 1 and 2
+    blocks of 8 lanes), K 34 and 130: x's conversion ends off a whole vector."""
+    g = torch.Generator().manual_seed(M * N + K)
+    x = torch.randn(M, K, generator=g).bfloat16()
+    w = torch.randn(N, K, generator=g).bfloat16()
+    b = torch.randn(N, generator=g).bfloat16()
     packed = tile_linear.pack(w)
-    whole = tile_linear.linear(x, packed, b, 96, tiles="fma")
-    rows = [tile_linear.linear(x[i:i + 8], packed, b, 96, tiles="fma") if M - i >= tile_linear.BF16_MIN_ROWS
-            else tile_linear.linear(x[i - 8:i + 8], packed, b, 96, tiles="fma")[8:] for i in range(0, M, 8)]
+    whole = tile_linear.linear(x, packed, b, N, tiles="fma")
+    rows = [tile_linear.linear(x[i:i + 8], packed, b, N, tiles="fma") if M - i >= tile_linear.BF16_MIN_ROWS
+            else tile_linear.linear(x[i - 8:i + 8], packed, b, N, tiles="fma")[8:] for i in range(0, M, 8)]
     assert torch.equal(whole, torch.cat(rows))
 
 

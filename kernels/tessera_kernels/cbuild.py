@@ -81,6 +81,7 @@ def _compile(name: str, compiler: str, lang: list[str], stdin: str | None, flags
 # kernel with C linkage, so that ctypes finds its functions by their C names.
 _CXX_WRAPPER = """#include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

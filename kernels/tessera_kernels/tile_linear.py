@@ -174,7 +174,7 @@ def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, N:
     status = fn(x.data_ptr(), x.stride(0), packed.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
                 M, N, K, threads, *fma)
     if status == -2:
-        raise MemoryError(f"tile_linear: no memory for x in float32 ({M} x {K})")
+        raise MemoryError(f"tile_linear: no memory for x or the weight panels in float32 ({M} x {K})")
     if status != 0:
         raise ValueError(f"tile_linear: shapes out of range (M={M}, N={N}, K={K})")
     return y

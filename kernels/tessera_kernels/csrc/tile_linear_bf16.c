@@ -29,7 +29,7 @@
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <omp.h>
 
-/* The FMA tiles' vectors: L float32 lanes (L output columns per block), as tile_linear_f32.c. */
+/* The FMA tiles' vectors are tile_f32.h's: L float32 lanes (L output columns per block). */
 #if defined(__AVX512F__)
 #define MR 8       /* rows per register tile: 8 x 3 accumulators of the 32 registers */
 #define PANEL_F32 0
@@ -211,6 +211,9 @@ static void tile_any(const uint16_t *x, int64_t xs, const uint16_t *wp, const fl
 #endif
 
 #if PANEL_F32
+#if TILE_F32_ROWS != 4
+#error "tile_panel_any runs tiles of 1 to 4 rows"
+#endif
 static void tile_panel_any(const float *x, int64_t xs, const float *wp, const float *bias, uint16_t *y,
                            int64_t ys, int depth, int mr, int nv) {
     switch (mr * 4 + nv) {
@@ -229,13 +232,45 @@ static void tile_fma_any(const float *x, int64_t xs, const uint16_t *wp, const f
     }
 }
 
+/* One panel (nv blocks from output column n0) over rows m0..m1 of a chunk whose x is xf as
+ * float32: unpacked into `panel` for the float32 tile where given (AVX2, 16+ rows), else by the
+ * FMA pair tiles or (fma 0) the vdpbf16ps ones. */
+static void run_panel(const uint16_t *x, int64_t x_stride, const float *xf, int K, const uint16_t *wp, float *panel,
+                      const float *bias, uint16_t *y, int N, int n0, int nv, int m0, int m1, int fma) {
+    const int KP = K / 2;
+#if PANEL_F32
+    if (panel) {
+        unpack_panel(wp, panel, KP, nv);
+        for (int r = m0; r < m1; r += TILE_F32_ROWS) {
+            const int mr = m1 - r < TILE_F32_ROWS ? m1 - r : TILE_F32_ROWS;
+            tile_panel_any(xf + (int64_t)(r - m0) * K, K, panel, bias, y + (int64_t)r * N + n0, N, K, mr, nv);
+        }
+        return;
+    }
+#else
+    (void)panel;
+#endif
+    for (int r = m0; r < m1; r += MR) {
+        const int mr = m1 - r < MR ? m1 - r : MR;
+        if (fma)
+            tile_fma_any(xf + (int64_t)(r - m0) * K, K, wp, bias, y + (int64_t)r * N + n0, N, KP, mr, nv);
+#if HAVE_DOT_BF16
+        else
+            tile_any(x + r * x_stride, x_stride, wp, bias, y + (int64_t)r * N + n0, N, KP, mr, nv);
+#else
+        (void)x; (void)x_stride;
+#endif
+    }
+}
+
 /* 2: both tiles built (AVX512-BF16), 1: the FMA tiles only, 0: none (below). */
 int tile_linear_bf16_built(void) { return 1 + HAVE_DOT_BF16; }
 int tile_linear_bf16_lanes(void) { return L; }
 
 /* x: [M, K] bf16, rows x_stride elements apart; w: packed as above; bias: [N] float32 or NULL;
  * y: [M, N] bf16 contiguous. N a multiple of L, K even, x_stride >= K. fma: 0 for the
- * vdpbf16ps tiles, 1 for the FMA ones. Returns 0, -1 for shapes out of range, -2 for no memory. */
+ * vdpbf16ps tiles, 1 for the FMA ones. Returns 0, -1 for shapes out of range, -2 for no memory
+ * (x as float32, or the unpacked panels). */
 int tile_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const float *bias, uint16_t *y,
                      int M, int N, int K, int threads, int fma) {
     if (M < 1 || N % L || K % 2 || x_stride < K || threads < 1 || (!fma && !HAVE_DOT_BF16)) return -1;
@@ -257,34 +292,12 @@ int tile_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, con
                 for (int r = m0; r < m1; r++)
                     row_to_f32(x + (int64_t)r * x_stride, xf + (int64_t)(r - m0) * K, K, unpack);
             }
-#if PANEL_F32
             float *panel = unpack ? wf + omp_get_thread_num() * panel_f32 : NULL;
-#endif
             #pragma omp for schedule(static)
             for (int pn = 0; pn < panels; pn++) {
-                const int nv = NB - pn * NV_MAX < NV_MAX ? NB - pn * NV_MAX : NV_MAX;
-                const uint16_t *wp = w + (int64_t)pn * NV_MAX * KP * 2 * L;
-                const int n0 = pn * NV_MAX * L;
-                const float *b = bias ? bias + n0 : 0;
-#if PANEL_F32
-                if (unpack) {
-                    unpack_panel(wp, panel, KP, nv);
-                    for (int r = m0; r < m1; r += TILE_F32_ROWS) {
-                        const int mr = m1 - r < TILE_F32_ROWS ? m1 - r : TILE_F32_ROWS;
-                        tile_panel_any(xf + (int64_t)(r - m0) * K, K, panel, b, y + (int64_t)r * N + n0, N, K, mr, nv);
-                    }
-                    continue;
-                }
-#endif
-                for (int r = m0; r < m1; r += MR) {
-                    const int mr = m1 - r < MR ? m1 - r : MR;
-                    if (fma)
-                        tile_fma_any(xf + (int64_t)(r - m0) * K, K, wp, b, y + (int64_t)r * N + n0, N, KP, mr, nv);
-#if HAVE_DOT_BF16
-                    else
-                        tile_any(x + r * x_stride, x_stride, wp, b, y + (int64_t)r * N + n0, N, KP, mr, nv);
-#endif
-                }
+                const int n0 = pn * NV_MAX * L, nv = NB - pn * NV_MAX < NV_MAX ? NB - pn * NV_MAX : NV_MAX;
+                run_panel(x, x_stride, xf, K, w + (int64_t)pn * NV_MAX * KP * 2 * L, panel, bias ? bias + n0 : 0, y,
+                          N, n0, nv, m0, m1, fma);
             }
         }
     }

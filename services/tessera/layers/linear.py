@@ -8,8 +8,9 @@
   oneDNN's bit for bit), about as fast at 33-64 and 10-20 % faster for prompt chunks of
   128-2048 rows; unlike oneDNN's, its calls can be replayed (step_graph.py). Above 32 rows
   one element in 10^4 differs in the last bit.
-- A bf16 product of 5 or more rows where the CPU has AVX512-BF16 and no AMX (AMD Zen 4 and
-  Zen 5; Intel without AMX, where the same tiles run as float32 FMAs), and a float32 product
+- A bf16 product of 5 or more rows where the CPU has no AMX but AVX512-BF16 (AMD Zen 4 and
+  Zen 5; Intel without AMX, where the same tiles run as float32 FMAs), or AVX-512 or AVX2 with
+  FMA (Intel Cascade Lake, AMD Zen 3: float32 FMAs over bf16 weights), and a float32 product
   of any size where it has AVX2 and FMA, go to the register-tile
   kernels (tessera_kernels.tile_linear): oneDNN leaves part of the vector units idle there
   (Zen 4, SmolLM2's 121 linears: bf16 at 64 rows 49-55 -> 42-44 ms, float32 at one row
@@ -35,7 +36,8 @@ from torch import nn
 from tessera_kernels import amx_linear, gemv_cpu, replay, tile_linear
 
 # Kernels that take the weight packed in their own layout: for a dtype at most one applies on
-# a CPU (bf16: the AMX one where it has AMX, else the register tiles where it has AVX512-BF16).
+# a CPU (bf16: the AMX one where it has AMX, else the register tiles where it has AVX-512 or
+# AVX2 with FMA).
 _PACKED_KERNELS = (amx_linear, tile_linear)
 
 
