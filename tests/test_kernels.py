@@ -341,9 +341,11 @@ def test_kv_write_equals_index_copy_from_the_fused_qkv_views(dtype, monkeypatch)
 @pytest.mark.skipif(not pa.available(), reason="no C compiler for the CPU kernel")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prompt_chunks_by_sdpa_equal_the_kernels_rows(dtype, monkeypatch):
-    """A step with a decode token and two prompts from position 0, and one with a chunk after
-    cached tokens: with prompts on SDPA (what AMX machines do in bf16 in large steps) the decode
-    row alone takes the kernel, and every token's output equals the all-kernel step's."""
+    """A step with a decode token and two prompts from position 0 (13 and 9 tokens), and one
+    with a chunk after cached tokens (its rows attend to 22-27 tokens): where SDPA takes
+    prompts (AMX machines in bf16, in large steps), it takes the chunks whose rows attend to
+    more than SHORT_PROMPT tokens, and the kernel the decode row and the shorter chunks' rows;
+    every token's output equals the all-kernel step's."""
     from tessera.batch import build_forward_batch
     from tessera.layers import attention
     from tessera.scheduler import ScheduledRequest, StepPlan
@@ -355,17 +357,21 @@ def test_prompt_chunks_by_sdpa_equal_the_kernels_rows(dtype, monkeypatch):
     continued = ScheduledRequest("c", tuple(range(6)), 21, (3, 5, 6, 8), True)
     kernel, rows = pa.paged_decode_attention, []
     monkeypatch.setattr(pa, "paged_decode_attention", lambda q, *a: rows.append(q.shape[0]) or kernel(q, *a))
-    for plan in (StepPlan((decode, *fresh)), StepPlan((decode, fresh[0], continued))):
+    # (plan, SHORT_PROMPT, the kernel's rows where SDPA takes long prompts)
+    cases = [(StepPlan((decode, *fresh)), 0, 1), (StepPlan((decode, *fresh)), 10, 1 + 9),
+             (StepPlan((decode, fresh[0], continued)), 10, 1), (StepPlan((decode, fresh[0], continued)), 20, 1 + 13)]
+    for plan, short, kernel_rows in cases:
         batch = build_forward_batch(plan, bs)
         T = batch.num_tokens
         q, k, v = (torch.randn(T, h, D, generator=g).to(dtype) for h in (H, KV, KV))
         caches = [torch.randn(KV, 12 * bs, D, generator=g).to(dtype) for _ in range(2)]
+        monkeypatch.setattr(attention, "SHORT_PROMPT", short)
         outs = {}
         for sdpa in (False, True):
             rows.clear()
             monkeypatch.setattr(attention, "prompts_by_sdpa", lambda q, sdpa=sdpa: sdpa)
             outs[sdpa] = attention.paged_attention(q, k, v, *(c.clone() for c in caches), batch, D ** -0.5)
-            assert rows == ([1] if sdpa else [T])          # SDPA: every prompt chunk, the kernel the decode row
+            assert rows == ([kernel_rows] if sdpa else [T])
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(outs[True].float(), outs[False].float(), atol=tol, rtol=tol)
 

@@ -11,7 +11,8 @@ against 1170). Where the CPU has AMX, bf16 prompt chunks that start at position 
 instead in steps of more than PROMPTS_ON_KERNEL_UP_TO tokens (prompts_by_sdpa), whose flash
 attention runs its products on AMX: 16 prompts of 128 tokens, 30 layers, 52 ms against the
 kernel's 134 ms before its prompt tiles (Intel Xeon, 2 threads; 88 against 101 ms with them,
-model 207); decode rows stay on the kernel. A chunk after cached tokens (a prefix hit, the
+model 207); decode rows stay on the kernel, and so do prompt chunks whose rows attend to at
+most SHORT_PROMPT tokens (below). A chunk after cached tokens (a prefix hit, the
 next chunk of a long prompt) goes to SDPA there too, attending to its gathered context with an
 offset causal mask: a 6000-token prompt's three chunks took 12.6-13.7 s with such chunks on
 the kernel, 8.1-8.6 s so (model 207, 2 threads).
@@ -46,6 +47,16 @@ from tessera_kernels import cbuild, paged_attention_cpu
 # replayed (step_graph.py: steps of up to this many tokens).
 PROMPTS_ON_KERNEL_UP_TO = 256
 
+# In a larger step where SDPA takes prompts, a prompt chunk whose rows attend to at most this
+# many tokens stays on the kernel with the decode rows: SDPA batches only fresh prompts of
+# equal length into one call, and one call per prompt costs more than the kernel's tiles. Intel
+# Xeon with AMX (model 167), 2 threads, bf16, 64 prompts x 128 out in 2048-token steps, the
+# prefill steps: prompts of 64-192 tokens 503-572 ms through SDPA, 448-488 on the kernel; of
+# 128 tokens each (16 per SDPA call) 437-465 either way. Longer prompts keep SDPA's flash
+# attention: one prompt's rows over 30 layers, kernel against SDPA, 512 tokens 55 against 32
+# ms, 2048 833 against 294.
+SHORT_PROMPT = 256
+
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -56,22 +67,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (True: may attend) in place of the causal one; decode tokens attend to their whole context."""
     paged_attention_cpu.kv_write(k, v, k_cache, v_cache, batch.slot_mapping)
     kernel = _kernel_applies(q)
-    by_kernel = (kernel and masks is None and batch.causal_token_idx is not None
-                 and not (prompts_by_sdpa(q) and _has_prompt_chunks(batch)))
-    rows = batch.causal_token_idx if by_kernel else batch.decode_token_idx
+    by_kernel = kernel and masks is None and batch.causal_token_idx is not None
+    to_sdpa = [c for c in batch.prefills if _long_prompt(c)] if by_kernel and prompts_by_sdpa(q) else []
+    if by_kernel:
+        rows, tables, lens = _kernel_rows(batch, to_sdpa)
+    else:
+        rows, tables, lens = batch.decode_token_idx, batch.decode_block_tables, batch.decode_context_lens
     out = torch.empty_like(q) if rows.numel() < q.shape[0] else None
     if rows.numel():
-        if by_kernel:
-            tables, lens = batch.causal_block_tables, batch.causal_context_lens
-        else:
-            tables, lens = batch.decode_block_tables, batch.decode_context_lens
         qr = q if out is None else q[rows]      # rows ascend: all of them is every token
         res = (paged_attention_cpu.paged_decode_attention(qr, k_cache, v_cache, tables, lens, batch.block_size, scale)
                if kernel else _decode_gathered(qr, k_cache, v_cache, batch, scale))
         if out is None:
             return res
         out[rows] = res
-    todo = [j for j, chunk in enumerate(batch.prefills) if not (by_kernel and chunk.in_causal_rows)]
+    todo = [j for j, chunk in enumerate(batch.prefills)
+            if not (by_kernel and chunk.in_causal_rows and not any(c is chunk for c in to_sdpa))]
     while todo:
         j = todo.pop(0)
         chunk = batch.prefills[j]
@@ -140,10 +151,22 @@ def _amx_prompts_by_sdpa() -> bool:
     return "amx_bf16" in cbuild.cpu_flags() and os.environ.get("TESSERA_PROMPTS_BY_KERNEL") != "1"
 
 
-def _has_prompt_chunks(batch: ForwardBatch) -> bool:
-    """Whether the step has prompt chunks among its causal rows: where SDPA takes prompts, it
-    takes all of them, and the kernel the decode rows."""
-    return any(c.in_causal_rows for c in batch.prefills)
+def _long_prompt(chunk) -> bool:
+    """A prompt chunk among the causal rows whose rows attend to more than SHORT_PROMPT tokens:
+    in a step where SDPA takes prompts, SDPA takes it."""
+    return chunk.in_causal_rows and chunk.start_pos + chunk.num_tokens > SHORT_PROMPT
+
+
+def _kernel_rows(batch: ForwardBatch, to_sdpa: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The causal rows the kernel takes (tokens, block tables, context lengths): all of them,
+    less the tokens of the chunks SDPA takes."""
+    if not to_sdpa:
+        return batch.causal_token_idx, batch.causal_block_tables, batch.causal_context_lens
+    dropped = torch.zeros(batch.num_tokens, dtype=torch.bool)
+    for c in to_sdpa:
+        dropped[c.token_start:c.token_start + c.num_tokens] = True
+    keep = ~dropped[batch.causal_token_idx]
+    return batch.causal_token_idx[keep], batch.causal_block_tables[keep], batch.causal_context_lens[keep]
 
 
 def _decode_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
