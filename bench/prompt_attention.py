@@ -1,12 +1,15 @@
 """The paged attention kernel on one prompt's rows alone (each row attends to the tokens up to
 itself, as in a prompt step), SmolLM2's heads (9 query, 3 KV, 64 wide), a bf16 cache in 16-token
-blocks at random places: milliseconds per layer, and GFLOP/s of the causal products (QK and PV).
+blocks at random places: milliseconds per layer, and GFLOP/s of the causal products (QK and PV);
+then torch's SDPA on the same prompt (causal, its own K/V, as layers/attention.py calls it for a
+fresh prompt), the two interleaved, best of five rounds each.
     .venv/bin/python bench/prompt_attention.py [LEN] [CALLS] [float32]   # 1024 tokens, 50 calls, bf16
 """
 import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 from tessera_kernels import paged_attention_cpu
 
@@ -22,10 +25,28 @@ v_cache = torch.randn(KV, SLOTS, D, generator=g).to(DTYPE)
 blocks = torch.randperm(SLOTS // BLOCK, generator=g)[:(LEN + BLOCK - 1) // BLOCK]
 tables, lens = blocks.repeat(LEN, 1), torch.arange(1, LEN + 1)
 q = torch.randn(LEN, H, D, generator=g).to(DTYPE)
-paged_attention_cpu.paged_decode_attention(q, k_cache, v_cache, tables, lens, BLOCK, D ** -0.5)
-t = time.perf_counter()
-for _ in range(CALLS):
+k, v = (torch.randn(LEN, KV, D, generator=g).to(DTYPE) for _ in range(2))
+
+
+def kernel() -> None:
     paged_attention_cpu.paged_decode_attention(q, k_cache, v_cache, tables, lens, BLOCK, D ** -0.5)
-per_call = (time.perf_counter() - t) / CALLS
+
+
+def sdpa() -> None:
+    F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                   is_causal=True, scale=D ** -0.5, enable_gqa=True)
+
+
+best = {kernel: float("inf"), sdpa: float("inf")}
+for f in best:
+    f()
+for _ in range(5):
+    for f in best:
+        t = time.perf_counter()
+        for _ in range(CALLS):
+            f()
+        best[f] = min(best[f], (time.perf_counter() - t) / CALLS)
 flops = LEN * (LEN + 1) / 2 * H * D * 2 * 2
-print(f"{LEN}-token prompt, {str(DTYPE).removeprefix('torch.')}: {per_call * 1e3:.2f} ms a layer, {flops / per_call / 1e9:.0f} GFLOP/s of causal products")
+for f, name in ((kernel, "kernel"), (sdpa, "SDPA")):
+    print(f"{LEN}-token prompt, {str(DTYPE).removeprefix('torch.')}, {name}: {best[f] * 1e3:.2f} ms a layer, "
+          f"{flops / best[f] / 1e9:.0f} GFLOP/s of causal products")
