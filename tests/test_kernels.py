@@ -343,9 +343,10 @@ def test_kv_write_equals_index_copy_from_the_fused_qkv_views(dtype, monkeypatch)
 def test_prompt_chunks_by_sdpa_equal_the_kernels_rows(dtype, monkeypatch):
     """A step with a decode token and two prompts from position 0 (13 and 9 tokens), and one
     with a chunk after cached tokens (its rows attend to 22-27 tokens): where SDPA takes
-    prompts (AMX machines in bf16, in large steps), it takes the chunks whose rows attend to
-    more than SHORT_PROMPT tokens, and the kernel the decode row and the shorter chunks' rows;
-    every token's output equals the all-kernel step's."""
+    prompts (AMX machines in bf16, in large steps), it takes the chunks whose last row attends
+    to more than CHUNK_CONTEXT_ON_KERNEL_UP_TO tokens, and the kernel the decode row and the
+    other chunks' rows (a chunk after cached tokens too); every token's output equals the
+    all-kernel step's."""
     from tessera.batch import build_forward_batch
     from tessera.layers import attention
     from tessera.scheduler import ScheduledRequest, StepPlan
@@ -357,15 +358,16 @@ def test_prompt_chunks_by_sdpa_equal_the_kernels_rows(dtype, monkeypatch):
     continued = ScheduledRequest("c", tuple(range(6)), 21, (3, 5, 6, 8), True)
     kernel, rows = pa.paged_decode_attention, []
     monkeypatch.setattr(pa, "paged_decode_attention", lambda q, *a: rows.append(q.shape[0]) or kernel(q, *a))
-    # (plan, SHORT_PROMPT, the kernel's rows where SDPA takes long prompts)
-    cases = [(StepPlan((decode, *fresh)), 0, 1), (StepPlan((decode, *fresh)), 10, 1 + 9),
-             (StepPlan((decode, fresh[0], continued)), 10, 1), (StepPlan((decode, fresh[0], continued)), 20, 1 + 13)]
-    for plan, short, kernel_rows in cases:
+    # (plan, CHUNK_CONTEXT_ON_KERNEL_UP_TO, the kernel's rows where SDPA takes long chunks)
+    two_fresh, with_continued = StepPlan((decode, *fresh)), StepPlan((decode, fresh[0], continued))
+    cases = [(two_fresh, 0, 1), (two_fresh, 12, 1 + 9), (two_fresh, 13, 1 + 13 + 9),
+             (with_continued, 10, 1), (with_continued, 26, 1 + 13), (with_continued, 27, 1 + 13 + 6)]
+    for plan, limit, kernel_rows in cases:
         batch = build_forward_batch(plan, bs)
         T = batch.num_tokens
         q, k, v = (torch.randn(T, h, D, generator=g).to(dtype) for h in (H, KV, KV))
         caches = [torch.randn(KV, 12 * bs, D, generator=g).to(dtype) for _ in range(2)]
-        monkeypatch.setattr(attention, "SHORT_PROMPT", short)
+        monkeypatch.setattr(attention, "CHUNK_CONTEXT_ON_KERNEL_UP_TO", limit)
         outs = {}
         for sdpa in (False, True):
             rows.clear()

@@ -12,10 +12,10 @@ instead in steps of more than PROMPTS_ON_KERNEL_UP_TO tokens (prompts_by_sdpa), 
 attention runs its products on AMX: 16 prompts of 128 tokens, 30 layers, 52 ms against the
 kernel's 134 ms before its prompt tiles (Intel Xeon, 2 threads; 88 against 101 ms with them,
 model 207); decode rows stay on the kernel, and so do prompt chunks whose rows attend to at
-most SHORT_PROMPT tokens (below). A chunk after cached tokens (a prefix hit, the
-next chunk of a long prompt) goes to SDPA there too, attending to its gathered context with an
-offset causal mask: a 6000-token prompt's three chunks took 12.6-13.7 s with such chunks on
-the kernel, 8.1-8.6 s so (model 207, 2 threads).
+most CHUNK_CONTEXT_ON_KERNEL_UP_TO tokens (below). A longer chunk after cached tokens (a prefix
+hit, the next chunk of a long prompt) goes to SDPA there too, attending to its gathered context
+with an offset causal mask: a 6000-token prompt's three chunks took 12.6-13.7 s with such
+chunks on the kernel, 8.1-8.6 s so (model 207, 2 threads).
 Without the kernel, decode tokens attend as one batch whose blocks are gathered whole (one
 index_select per layer, already [kv_heads, B, L, D] in this layout), query heads sharing a
 KV head grouped so GQA needs no copy of K/V; each prefill chunk attends causally through
@@ -37,7 +37,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from tessera.batch import ForwardBatch
+from tessera.batch import ForwardBatch, PrefillChunk
 from tessera_kernels import cbuild, paged_attention_cpu
 
 # A step of at most this many tokens keeps its prompt chunks on the kernel even where SDPA
@@ -48,14 +48,16 @@ from tessera_kernels import cbuild, paged_attention_cpu
 PROMPTS_ON_KERNEL_UP_TO = 256
 
 # In a larger step where SDPA takes prompts, a prompt chunk whose rows attend to at most this
-# many tokens stays on the kernel with the decode rows: SDPA batches only fresh prompts of
-# equal length into one call, and one call per prompt costs more than the kernel's tiles. Intel
-# Xeon with AMX (model 167), 2 threads, bf16, 64 prompts x 128 out in 2048-token steps, the
-# prefill steps: prompts of 64-192 tokens 503-572 ms through SDPA, 448-488 on the kernel; of
-# 128 tokens each (16 per SDPA call) 437-465 either way. Longer prompts keep SDPA's flash
-# attention: one prompt's rows over 30 layers, kernel against SDPA, 512 tokens 55 against 32
-# ms, 2048 833 against 294.
-SHORT_PROMPT = 256
+# many tokens stays on the kernel, in its one call with the decode rows: SDPA batches only
+# fresh prompts of equal length into one call, and a step of prompts of varied length made one
+# SDPA call per prompt. Alone, one prompt's SDPA call is the faster even at 128 tokens (0.12
+# against 0.15 ms a layer, bench/prompt_attention.py), but in the step the kernel won: Intel
+# Xeon with AMX (model 167), 2 threads, bf16, 64 prompts at once in 2048-token steps
+# (bench/prefill_steps.py), prompts of 64-192 tokens 527-565 ms a prefill step all on SDPA,
+# 442-470 so; of 128 tokens each (16 per SDPA call) even (437-473 against 437-459). Longer chunks
+# keep SDPA's flash attention (one prompt's rows over 30 layers, kernel against SDPA: 512 tokens
+# 58 against 34 ms, 2048 833 against 294). 256 was compared only with 0 (every chunk on SDPA).
+CHUNK_CONTEXT_ON_KERNEL_UP_TO = 256
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -68,7 +70,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     paged_attention_cpu.kv_write(k, v, k_cache, v_cache, batch.slot_mapping)
     kernel = _kernel_applies(q)
     by_kernel = kernel and masks is None and batch.causal_token_idx is not None
-    to_sdpa = [c for c in batch.prefills if _long_prompt(c)] if by_kernel and prompts_by_sdpa(q) else []
+    long_by_sdpa = by_kernel and prompts_by_sdpa(q)
+    to_sdpa = [c for c in batch.prefills if long_by_sdpa and _sdpa_takes(c)]
     if by_kernel:
         rows, tables, lens = _kernel_rows(batch, to_sdpa)
     else:
@@ -82,7 +85,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             return res
         out[rows] = res
     todo = [j for j, chunk in enumerate(batch.prefills)
-            if not (by_kernel and chunk.in_causal_rows and not any(c is chunk for c in to_sdpa))]
+            if not (by_kernel and chunk.in_causal_rows) or (long_by_sdpa and _sdpa_takes(chunk))]
     while todo:
         j = todo.pop(0)
         chunk = batch.prefills[j]
@@ -139,10 +142,10 @@ def _kernel_applies(q: torch.Tensor) -> bool:
 
 
 def prompts_by_sdpa(q: torch.Tensor) -> bool:
-    """Whether a step's prompt chunks (q: all of its tokens) attend through SDPA although the
-    kernel applies: bf16 where the CPU has AMX, in steps of more than PROMPTS_ON_KERNEL_UP_TO
-    tokens (see the module docstring; TESSERA_PROMPTS_BY_KERNEL=1 keeps them all on the
-    kernel there, for the A/B)."""
+    """Whether a step's long prompt chunks (_sdpa_takes; q: all of the step's tokens) attend
+    through SDPA although the kernel applies: bf16 where the CPU has AMX, in steps of more than
+    PROMPTS_ON_KERNEL_UP_TO tokens (see the module docstring; TESSERA_PROMPTS_BY_KERNEL=1 keeps
+    them all on the kernel there, for the A/B)."""
     return q.dtype == torch.bfloat16 and q.shape[0] > PROMPTS_ON_KERNEL_UP_TO and _amx_prompts_by_sdpa()
 
 
@@ -151,15 +154,16 @@ def _amx_prompts_by_sdpa() -> bool:
     return "amx_bf16" in cbuild.cpu_flags() and os.environ.get("TESSERA_PROMPTS_BY_KERNEL") != "1"
 
 
-def _long_prompt(chunk) -> bool:
-    """A prompt chunk among the causal rows whose rows attend to more than SHORT_PROMPT tokens:
-    in a step where SDPA takes prompts, SDPA takes it."""
-    return chunk.in_causal_rows and chunk.start_pos + chunk.num_tokens > SHORT_PROMPT
+def _sdpa_takes(chunk: PrefillChunk) -> bool:
+    """A prompt chunk among the causal rows whose last row attends to more than
+    CHUNK_CONTEXT_ON_KERNEL_UP_TO tokens: in a step where prompts_by_sdpa, SDPA takes it."""
+    return chunk.in_causal_rows and chunk.start_pos + chunk.num_tokens > CHUNK_CONTEXT_ON_KERNEL_UP_TO
 
 
-def _kernel_rows(batch: ForwardBatch, to_sdpa: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _kernel_rows(batch: ForwardBatch,
+                 to_sdpa: list[PrefillChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The causal rows the kernel takes (tokens, block tables, context lengths): all of them,
-    less the tokens of the chunks SDPA takes."""
+    less the tokens of the chunks SDPA takes (only in eager steps: a replayed one has none)."""
     if not to_sdpa:
         return batch.causal_token_idx, batch.causal_block_tables, batch.causal_context_lens
     dropped = torch.zeros(batch.num_tokens, dtype=torch.bool)
