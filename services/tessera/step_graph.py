@@ -57,8 +57,8 @@ log = logging.getLogger(__name__)
 
 # Graphs for steps of 1..MAX_TOKENS tokens (more run eagerly): attention keeps prompt chunks
 # on the paged kernel in such steps (torch's SDPA, which cannot be recorded, takes the long
-# ones in larger steps on AMX). The buffers of the largest graph grow with it: SmolLM2 in bf16, 0.58 MB
-# a token (147 MB at 256).
+# ones in larger steps on AMX). The buffers of the largest graph grow with it: SmolLM2 in
+# bf16, 0.58 MB a token (147 MB at 256).
 MAX_TOKENS = PROMPTS_ON_KERNEL_UP_TO
 _ATTEMPTS = 2        # refused recordings per row count before it stays eager (a second chance
                      # for a refusal that came from work made once, outside replay.paused())
