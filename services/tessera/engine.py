@@ -145,7 +145,12 @@ class Engine:
         arrival_time: when the worker had it tokenized (time.monotonic(); default: now)."""
         request_id = request_id or f"req-{next(self._ids)}"
         resume = resume or Resume()
-        sampling = self.resolve(len(prompt_token_ids) + len(resume.output_token_ids), sampling)
+        # A resumed request's output so far is part of its max_tokens, not more prompt: its
+        # limits are the ones its first worker resolved over the prompt alone.
+        sampling = self.resolve(len(prompt_token_ids), sampling)
+        if len(resume.output_token_ids) >= sampling.max_tokens:
+            raise ConfigError(f"resume: {len(resume.output_token_ids)} tokens already generated, "
+                              f"max_tokens is {sampling.max_tokens}", "max_tokens")
         self._check_token_ids(prompt_token_ids, sampling, resume)
         if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
             raise QueueFull("the worker's queue is full; retry later")
@@ -173,7 +178,7 @@ class Engine:
     def resolve(self, num_tokens: int, sampling: SamplingParams) -> SamplingParams:
         """The request's sampling with max_tokens=None made concrete: as much as both the
         context and the KV cache can hold (vLLM's rule; reaching it finishes with "length").
-        num_tokens counts the prompt and any output a resumed request already has. Raises
+        num_tokens counts the prompt (a resumed request's output counts toward max_tokens). Raises
         ConfigError when the request can never run here."""
         if num_tokens == 0:
             raise ConfigError("the prompt is empty", "prompt")
