@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import os
 import signal
 import subprocess
 import sys
@@ -51,6 +52,7 @@ class Child:
     role: str
     argv: list[str]
     essential: bool = True
+    env: dict | None = None     # extra environment (e.g. its certificate directory), not argv: ps shows argv
     proc: subprocess.Popen | None = None
     exits: collections.deque = field(default_factory=collections.deque)
     restarts: int = 0
@@ -84,7 +86,8 @@ class Supervisor:
 
     def _spawn(self, child: Child) -> None:
         # Own session: a Ctrl-C in the terminal reaches only the supervisor, which drains in order.
-        child.proc = subprocess.Popen(child.argv, start_new_session=True, preexec_fn=_die_with_parent)
+        env = {**os.environ, **child.env} if child.env else None
+        child.proc = subprocess.Popen(child.argv, start_new_session=True, preexec_fn=_die_with_parent, env=env)
         again = f" (restart {child.restarts})" if child.restarts else ""
         self.log(f"{child.name} pid {child.proc.pid}{again}")
 
