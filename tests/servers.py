@@ -93,13 +93,20 @@ def tessera_gateway(*args: str, timeout_s: float = 180.0):
 
 
 @contextlib.contextmanager
-def tessera_grpc(command: str, *args: str, port: int | None = None, timeout_s: float = 180.0, stderr=None):
+def tessera_grpc(command: str, *args: str, port: int | None = None, timeout_s: float = 180.0, stderr=None,
+                 env: dict | None = None):
     """`tessera COMMAND --port P ARGS` (a worker, attention node or expert node); yields
-    (address, process) once grpc.health.v1 says SERVING."""
+    (address, process) once grpc.health.v1 says SERVING (asked with the process's own
+    certificate when env gives it one: TESSERA_TLS_DIR)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tessera import mtls
+    from tessera.mtls.links import load
+    from tessera.mtls.names import SERVES
     address = f"127.0.0.1:{port or free_port()}"
-    channel = grpc.insecure_channel(address)
+    own = load(env[mtls.ENV]) if env and env.get(mtls.ENV) else None
+    channel = mtls.channel(address, SERVES[own.role][0], ident=own) if own else grpc.insecure_channel(address)
     stub = health_pb2_grpc.HealthStub(channel)
 
     def serving() -> bool:
@@ -110,7 +117,8 @@ def tessera_grpc(command: str, *args: str, port: int | None = None, timeout_s: f
             return False
 
     try:
-        with _process([command, "--port", address.rsplit(":", 1)[1], *args], serving, timeout_s, stderr) as proc:
+        with _process([command, "--port", address.rsplit(":", 1)[1], *args], serving, timeout_s, stderr,
+                      env) as proc:
             yield address, proc
     finally:
         channel.close()

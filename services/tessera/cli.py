@@ -11,7 +11,6 @@ import argparse
 import os
 import sys
 
-from tessera import cluster_auth
 from tessera.config import AfdConfig, ConfigError, EngineConfig, SpeculativeConfig
 from tessera.deploy.supervisor import SupervisorConfig
 from tessera.entrypoints.flags import add_flags, from_args
@@ -94,7 +93,13 @@ def cmd_pipeline_shard(a: argparse.Namespace) -> int:
 def cmd_up(a: argparse.Namespace) -> int:
     from tessera.deploy.topology import Topology
     from tessera.deploy.up import up
-    return up(Topology.load(a.file).with_overrides(port=a.port, dtype=a.dtype), from_args(SupervisorConfig, a))
+    return up(Topology.load(a.file).with_overrides(port=a.port, dtype=a.dtype), from_args(SupervisorConfig, a),
+              certs=a.certs)
+
+
+def cmd_certs(a: argparse.Namespace) -> int:
+    from tessera.entrypoints.certs import main
+    return main(a.file, a.out, a.target, a.days, a.ca)
 
 
 def cmd_render(a: argparse.Namespace) -> int:
@@ -144,19 +149,12 @@ def _address_args(p: argparse.ArgumentParser, port: int) -> None:
                    help="on SIGTERM / Ctrl-C: time in-flight requests get to finish (default: 30.0)")
 
 
-def _cluster_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cluster-secret-file", default=None,
-                   help="file holding the shared secret internal gRPC and M2N links must present "
-                        "(default $TESSERA_CLUSTER_SECRET; neither: no auth)")
-
-
 def _registry_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--registry", default=os.environ.get("TESSERA_REGISTRY"),
                    help="Redis URL to register in, with heartbeats (default $TESSERA_REGISTRY)")
     p.add_argument("--registry-prefix", default="tessera")
     p.add_argument("--advertise", default=None, help="address others reach this worker at (default host:port)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this HTTP port")
-    _cluster_args(p)
 
 
 def _transport_args(p: argparse.ArgumentParser) -> None:
@@ -176,7 +174,6 @@ def _gateway_flags(p: argparse.ArgumentParser, exclude=()) -> None:
 
 def _gateway_args(p: argparse.ArgumentParser) -> None:
     _gateway_flags(p)
-    _cluster_args(p)
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -193,7 +190,19 @@ def _up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("file")
     p.add_argument("--port", type=int, default=None, help="gateway port (overrides the file)")
     p.add_argument("--dtype", default=None, choices=DTYPES)
+    p.add_argument("--certs", default=None,
+                   help="certificate directories from `tessera certs FILE --out DIR` (default: a throwaway CA "
+                        "made at start)")
     add_flags(p, SupervisorConfig)
+
+
+def _certs_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", help="topology file: its name and roles")
+    p.add_argument("--target", default="files", choices=["files", "k8s"],
+                   help="files: DIR/<role>/{ca.crt,tls.crt,tls.key} to mount (compose); k8s: Secrets as YAML")
+    p.add_argument("--out", default=None, help="directory (files) or YAML file (k8s; default stdout)")
+    p.add_argument("--days", type=float, default=90.0, help="validity of the role certificates")
+    p.add_argument("--ca", default=None, help="sign with this CA directory (ca.crt, ca.key) instead of a new CA")
 
 
 def _keys_add_args(p: argparse.ArgumentParser) -> None:
@@ -258,7 +267,6 @@ def _expert_node_args(p: argparse.ArgumentParser) -> None:
                    help="MoE experts this node holds, e.g. 0,2,4,6 or 0-3 (default: the shard's contiguous range)")
     _transport_args(p)
     p.add_argument("--threads", type=int, default=None)
-    _cluster_args(p)
 
 
 def _draft_worker_args(p: argparse.ArgumentParser) -> None:
@@ -315,6 +323,8 @@ COMMANDS = {
     ("keys", "add"): ("create a key (printed once; Redis keeps its SHA-256 and limits)", _keys_add_args,
                       cmd_keys_add),
     ("render",): ("docker-compose or Kubernetes files from a topology file", _render_args, cmd_render),
+    ("certs",): ("a deployment's CA and one certificate per role (internal mutual TLS), for compose or "
+                 "Kubernetes", _certs_args, cmd_certs),
     ("probe",): ("health check for containers: exit 0 when TARGET is healthy", _probe_args, cmd_probe),
     ("worker",): ("the gRPC worker process (--engine vllm: vLLM's engine)", _plain_worker_args, cmd_worker),
     ("attention-node",): ("AFD: attention, KV cache, router and sampler (a worker)", _attention_node_args,
@@ -386,10 +396,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser({arg for arg in argv if not arg.startswith("-")})
     args = parser.parse_args(argv)
-    try:
-        cluster_auth.use_secret_file(getattr(args, "cluster_secret_file", None))
-    except (OSError, ValueError) as e:
-        parser.error(f"--cluster-secret-file: {e}")
     try:
         return args.fn(args)
     except ConfigError as e:

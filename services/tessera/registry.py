@@ -18,6 +18,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+from tessera import redis_conn
+
 log = logging.getLogger("tessera.registry")
 DEFAULT_TTL_S = 3.0
 HEARTBEAT_S = 1.0
@@ -63,8 +65,7 @@ def compatibility_hash(model: str, dtype: str, tokenizer: str = "", engine: str 
 
 class RedisRegistry:
     def __init__(self, url: str, prefix: str = "tessera", ttl_s: float = DEFAULT_TTL_S) -> None:
-        import redis.asyncio as redis
-        self.client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self.client = redis_conn.connect(url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self.prefix, self.ttl_s = prefix, ttl_s
 
     def _key(self, worker_id: str) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import time
 
+from tessera import redis_conn
 from tessera.batch_jobs.jobs import TERMINAL, LeaseLost
 
 # KEYS: job, active set, lease. ARGV: id, token ('' = no lease check), terminal flag, number of
@@ -49,8 +50,7 @@ return 0
 
 class RedisJobStore:
     def __init__(self, url: str, prefix: str = "tessera") -> None:
-        import redis.asyncio as redis
-        self.redis = redis.Redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=2.0)
+        self.redis = redis_conn.connect(url, socket_timeout=5.0, socket_connect_timeout=2.0)
         self.prefix = prefix
         self._update, self._record = self.redis.register_script(_UPDATE), self.redis.register_script(_RECORD)
         self._renew, self._release = self.redis.register_script(_RENEW), self.redis.register_script(_RELEASE)

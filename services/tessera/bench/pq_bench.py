@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
 import pathlib
 import re
-import secrets
 import signal
 import statistics
 import subprocess
@@ -42,7 +42,7 @@ import time
 import httpx
 import yaml
 
-from tessera import cluster_auth
+from tessera.mtls import ENV as TLS_ENV
 
 TESSERA = [sys.executable, "-m", "tessera.cli"]
 REFERENCE = "reference"
@@ -91,10 +91,25 @@ def run_batch(req: pathlib.Path, out: pathlib.Path, a: argparse.Namespace) -> fl
     return float(match.group(1))
 
 
-def stage_compute_s(port: int, stages: int) -> list[float]:
+@contextlib.contextmanager
+def _as_role(certs: pathlib.Path, role: str):
+    """Call the deployment's internal services holding this role's certificate."""
+    old = os.environ.get(TLS_ENV)
+    os.environ[TLS_ENV] = str(certs / role)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(TLS_ENV, None)
+        else:
+            os.environ[TLS_ENV] = old
+
+
+def stage_compute_s(port: int, stages: int, certs: pathlib.Path) -> list[float]:
     """Seconds each stage of the pipeline behind the gateway on `port` has spent in its own
     layers since it started (plan_topology puts stage j on port + 1 + j): stage 0, a worker,
-    from its Info, the later stages from StageInfo."""
+    from its Info (as the gateway), the later stages from StageInfo (as a stage), with the
+    certificates `tessera up --certs` runs them with."""
     from tessera.rpc.client import GrpcWorkerClient
     from tessera.rpc.pipeline_client import GrpcStageControl
     from tessera.worker_api import WorkerError
@@ -106,9 +121,11 @@ def stage_compute_s(port: int, stages: int) -> list[float]:
         finally:
             await client.close()
     try:
-        out = [asyncio.run(first())]
+        with _as_role(certs, "gateway"):
+            out = [asyncio.run(first())]
         for j in range(1, stages):
-            control = GrpcStageControl(f"127.0.0.1:{port + 1 + j}")
+            with _as_role(certs, "pipeline-shard"):
+                control = GrpcStageControl(f"127.0.0.1:{port + 1 + j}")
             try:
                 out.append(control.info().compute_s)
             finally:
@@ -126,8 +143,10 @@ def run_plan(topo_file: pathlib.Path, workloads: list[tuple[int, int, int]], a: 
     is measured: a served stack's first batch pays one-off costs (oneDNN's weight reorders, the
     KV cache's first touch)."""
     log = topo_file.with_suffix(".log").open("w")
-    up = subprocess.Popen([*TESSERA, "up", str(topo_file)], stdout=log, stderr=subprocess.STDOUT,
-                          start_new_session=True)
+    certs = topo_file.with_suffix(".certs")
+    subprocess.run([*TESSERA, "certs", str(topo_file), "--out", str(certs)], check=True, stdout=subprocess.DEVNULL)
+    up = subprocess.Popen([*TESSERA, "up", str(topo_file), "--certs", str(certs)], stdout=log,
+                          stderr=subprocess.STDOUT, start_new_session=True)
     out, req = topo_file.with_suffix(".results.jsonl"), topo_file.with_suffix(".requests.jsonl")
     runs = itertools.count()
 
@@ -136,9 +155,9 @@ def run_plan(topo_file: pathlib.Path, workloads: list[tuple[int, int, int]], a: 
         return run_batch(req, out, a)
 
     def timed_stages(w: tuple[int, int, int]) -> tuple[float, list[float]]:
-        before = stage_compute_s(a.port, stages)
+        before = stage_compute_s(a.port, stages, certs)
         seconds = timed(w)
-        spent = [t1 - t0 for t0, t1 in zip(before, stage_compute_s(a.port, stages))]
+        spent = [t1 - t0 for t0, t1 in zip(before, stage_compute_s(a.port, stages, certs))]
         if min(spent) < 0:
             raise RuntimeError(f"a stage restarted during the batch (its compute seconds went back: {spent})")
         return seconds, spent
@@ -359,9 +378,6 @@ def main(a: argparse.Namespace) -> int:
         raise SystemExit("--devices: a devices.yaml of virtual devices with `profile:` (see the README)")
     if a.reps < 1:
         raise SystemExit("--reps must be >= 1")
-    # tessera up keeps a cluster secret set in its environment: the stages' compute seconds
-    # are read with it (stage_compute_s)
-    os.environ.setdefault(cluster_auth.ENV, secrets.token_hex(32))
     ws = workloads(a)
     cluster, cost, work, notes = plan_cli.build(a)
     plans = plan_all(cluster, cost, work, efficient=a.efficient)

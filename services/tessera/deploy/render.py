@@ -4,14 +4,17 @@ truth. deploy/compose/ and deploy/k8s/ hold the rendered files; tests/test_deplo
 checks they match and runs the compose commands as local processes.
 
 One image (deploy/Dockerfile) serves every role; the command picks the role. Only the
-gateway's port is published. Health: gRPC roles answer grpc.health.v1 (`tessera probe
-HOST:PORT` in compose, native gRPC probes in Kubernetes); the gateway has /health/live and
-/health/ready.
+gateway's port is published. Health: gRPC roles answer grpc.health.v1 to `tessera probe
+HOST:PORT`, run inside the container with the container's own certificate (every gRPC port
+demands one, so Kubernetes' native gRPC probes, which hold none, cannot be used); the gateway
+has /health/live and /health/ready.
 
-Secrets are never rendered: Redis requires a password and internal gRPC / M2N links a cluster
-secret (cluster_auth.py). Compose takes them from $REDIS_PASSWORD and $TESSERA_CLUSTER_SECRET
-(it refuses to start without them); Kubernetes from the Secret `tessera-secrets` (keys
-redis-password and cluster-secret) that the operator creates beforehand (SECRET_HELP).
+Secrets are never rendered, nor put on a command line: each role mounts its certificate
+directory (mtls/certs.py: ca.crt, tls.crt, tls.key) at TLS_DIR, and Redis's password comes by
+environment (REDIS_PASSWORD; redis-server reads it from stdin, redis-cli from
+REDISCLI_AUTH). Compose takes the directory from $TESSERA_CERTS and the password from
+$REDIS_PASSWORD; Kubernetes from the Secrets `tessera-tls-<role>` and `tessera-secrets`.
+`tessera certs FILE` writes all of them (CERTS_HELP).
 """
 from __future__ import annotations
 
@@ -42,12 +45,19 @@ RESOURCES = {   # requests per role: enough for the default model on CPU
 
 
 SECRET = "tessera-secrets"
-SECRET_HELP = ("# Needs the Secret tessera-secrets (not in this file), e.g.:\n"
-               "#   kubectl create secret generic tessera-secrets \\\n"
-               "#     --from-literal=redis-password=$(openssl rand -hex 24) \\\n"
-               "#     --from-literal=cluster-secret=$(openssl rand -hex 32)\n")
-COMPOSE_HELP = "# Needs REDIS_PASSWORD (URL-safe) and TESSERA_CLUSTER_SECRET in the environment (or .env).\n"
-CLUSTER_ENV = {"TESSERA_CLUSTER_SECRET": "${TESSERA_CLUSTER_SECRET:?set TESSERA_CLUSTER_SECRET}"}
+TLS_DIR = "/etc/tessera/tls"
+SECRET_HELP = ("# Needs the Secrets tessera-secrets (key redis-password) and tessera-tls-<role> (not in\n"
+               "# this file; cert-manager can issue the latter), e.g.:\n"
+               "#   tessera certs deploy/topologies/NAME.yaml --target k8s | kubectl apply -f -\n")
+COMPOSE_HELP = ("# Needs REDIS_PASSWORD and TESSERA_CERTS in the environment (or .env), e.g.:\n"
+                "#   tessera certs deploy/topologies/NAME.yaml --out ./certs && export TESSERA_CERTS=$PWD/certs\n")
+CERTS_VAR = "${TESSERA_CERTS:?set TESSERA_CERTS}"
+PASSWORD_VAR = "${REDIS_PASSWORD:?set REDIS_PASSWORD}"
+
+
+def tls_secret(role: str) -> str:
+    """The Kubernetes Secret holding a role's certificate directory."""
+    return f"tessera-tls-{role.replace('_', '-')}"
 
 
 VLLM_HELP = (f"# Workers with `engine: vllm` run {VLLM_IMAGE}: docker build -f deploy/Dockerfile -t {VLLM_IMAGE} \\\n"
@@ -68,15 +78,22 @@ def _image(p: Process) -> str:
     return REDIS_IMAGE if p.role == "redis" else VLLM_IMAGE if _vllm(p) else IMAGE
 
 
-def _command(p: Process) -> list[str]:
-    return _persistent(list(p.argv)) if p.role == "redis" else ["tessera", *p.argv]
+def _command(p: Process, dollar: str = "$") -> list[str]:
+    """dollar: how the file writes a `$` the container's shell must see (compose: "$$")."""
+    return _redis_command(p.argv, dollar) if p.role == "redis" else ["tessera", *p.argv]
 
 
-def _persistent(argv: list[str]) -> list[str]:
+def _redis_command(argv: tuple[str, ...], dollar: str) -> list[str]:
     """Rendered Redis keeps an append-only file on a volume, so batch jobs and stored API keys
-    survive its restart (`tessera up`'s local Redis stays in memory)."""
+    survive its restart (`tessera up`'s local Redis stays in memory); its password comes as
+    config on stdin (a here-string: bash, which the redis image has), so no command line holds it."""
     i = argv.index("--appendonly")
-    return [*argv[:i], "--appendonly", "yes", *argv[i + 2:]]
+    args = " ".join(a if a else "''" for a in (*argv[1:i], "--appendonly", "yes", *argv[i + 2:]))
+    return ["bash", "-c", f'exec {argv[0]} - {args} <<< "requirepass {dollar}REDIS_PASSWORD"']
+
+
+def _redis_ping(port: int, dollar: str) -> str:
+    return f'REDISCLI_AUTH="{dollar}REDIS_PASSWORD" redis-cli -p {port} ping | grep -q PONG'
 
 
 def _health_target(p: Process) -> str:
@@ -95,14 +112,15 @@ def compose(topology: Topology) -> dict:
     services = {}
     for p in procs:
         if p.role == "redis":
-            ping = ["redis-cli", "-p", str(p.port), "--no-auth-warning", "-a", SERVICES.redis_password, "ping"]
-            services[p.name] = {"image": REDIS_IMAGE, "command": _command(p), "volumes": [f"redis-data:{REDIS_DATA}"],
-                                "healthcheck": {"test": ["CMD", *ping],
+            services[p.name] = {"image": REDIS_IMAGE, "command": _command(p, "$$"),
+                                "environment": {"REDIS_PASSWORD": PASSWORD_VAR}, "volumes": [f"redis-data:{REDIS_DATA}"],
+                                "healthcheck": {"test": ["CMD", "sh", "-c", _redis_ping(p.port, "$$")],
                                                 "interval": "5s", "retries": 10}}
             continue
         build = {"context": "../..", "dockerfile": "deploy/Dockerfile", **({"args": dict(VLLM_BUILD_ARGS)} if _vllm(p) else {})}
         service = {"image": _image(p), "build": build,
-                   "command": _command(p), "environment": dict(CLUSTER_ENV), "volumes": [f"models:{CACHE}"],
+                   "command": _command(p), "environment": _compose_env(topology),
+                   "volumes": [f"models:{CACHE}", f"{CERTS_VAR}/{p.role.replace('_', '-')}:{TLS_DIR}:ro"],
                    "healthcheck": {"test": ["CMD", "tessera", "probe", _health_target(p)],
                                    "interval": "10s", "timeout": "5s", "retries": 30,
                                    "start_period": "60s"}}
@@ -115,6 +133,10 @@ def compose(topology: Topology) -> dict:
     # the gateways' batch files live in the shared `models` volume too (FILES is under CACHE)
     volumes = {"models": {}, **({"redis-data": {}} if topology.registry else {})}
     return {"name": f"tessera-{topology.name}", "services": services, "volumes": volumes}
+
+
+def _compose_env(topology: Topology) -> dict:
+    return {"TESSERA_TLS_DIR": TLS_DIR, **({"REDIS_PASSWORD": PASSWORD_VAR} if topology.registry else {})}
 
 
 def kubernetes(topology: Topology) -> list[dict]:
@@ -146,7 +168,9 @@ def _volumes(topology: Topology, p: Process) -> tuple[list[dict], list[dict]]:
     on their claims when the topology has a registry (else job state is in memory anyway)."""
     if p.role == "redis":
         return [{"name": "data", "mountPath": REDIS_DATA}], [{"name": "data", "persistentVolumeClaim": {"claimName": "redis-data"}}]
-    mounts, volumes = [{"name": "models", "mountPath": CACHE}], [{"name": "models", "emptyDir": {}}]
+    mounts = [{"name": "models", "mountPath": CACHE}, {"name": "tls", "mountPath": TLS_DIR, "readOnly": True}]
+    volumes = [{"name": "models", "emptyDir": {}},
+               {"name": "tls", "secret": {"secretName": tls_secret(p.role), "defaultMode": 0o400}}]
     if p.role == "gateway" and topology.registry:
         mounts.append({"name": "files", "mountPath": FILES})
         volumes.append({"name": "files", "persistentVolumeClaim": {"claimName": "gateway-files"}})
@@ -164,11 +188,10 @@ def _probes(p: Process) -> dict:
                 "readinessProbe": {"httpGet": {"path": "/health/ready", "port": p.port}, "periodSeconds": 5},
                 "startupProbe": {"httpGet": {"path": "/health/live", "port": p.port}, "failureThreshold": 60}}
     if p.role == "redis":
-        ping = f'redis-cli -p {p.port} --no-auth-warning -a "$REDIS_PASSWORD" ping | grep -q PONG'
         return {"livenessProbe": {"tcpSocket": {"port": p.port}},
-                "readinessProbe": {"exec": {"command": ["sh", "-c", ping]}}}
-    def grpc(**timing):   # native gRPC probes (grpc.health.v1); fresh dicts: no YAML anchors
-        return {"grpc": {"port": p.port}, **timing}
+                "readinessProbe": {"exec": {"command": ["sh", "-c", _redis_ping(p.port, "$")]}}}
+    def grpc(**timing):   # grpc.health.v1 with the pod's certificate; fresh dicts: no YAML anchors
+        return {"exec": {"command": ["tessera", "probe", f"127.0.0.1:{p.port}"]}, "timeoutSeconds": 10, **timing}
     return {"livenessProbe": grpc(periodSeconds=10), "readinessProbe": grpc(periodSeconds=5),
             "startupProbe": grpc(periodSeconds=5, failureThreshold=120)}
 
@@ -182,10 +205,10 @@ def _deployment(topology: Topology, name: str, replicas: int, p: Process) -> dic
                  "resources": {"requests": VLLM_RESOURCES if _vllm(p) else RESOURCES[p.role]}, **_probes(p)}
     env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}] \
         if "$(POD_IP)" in " ".join(command) else []
-    secrets = {"REDIS_PASSWORD": "redis-password"} if topology.registry else {}
     if p.role != "redis":
-        secrets["TESSERA_CLUSTER_SECRET"] = "cluster-secret"
-    env += [{"name": k, "valueFrom": {"secretKeyRef": {"name": SECRET, "key": key}}} for k, key in secrets.items()]
+        env.append({"name": "TESSERA_TLS_DIR", "value": TLS_DIR})
+    if topology.registry:
+        env.append({"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": SECRET, "key": "redis-password"}}})
     if env:
         container["env"] = env
     pod = {"containers": [container]}

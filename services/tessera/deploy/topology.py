@@ -78,8 +78,7 @@ class Placement:
     Services (compose, Kubernetes): replica i is reachable by its service name."""
     bind: str = HOST
     by_service_name: bool = False
-    redis_url: str | None = None      # None: redis://<redis address>/0
-    redis_password: str | None = None  # how the command line names it (a variable the runtime expands)
+    redis_url: str | None = None      # None: redis://<redis address>/0 (the password: $REDIS_PASSWORD)
 
     def address(self, role: Role, i: int) -> str:
         return f"{role.service(i) if self.by_service_name else HOST}:{role.port + i}"
@@ -104,10 +103,8 @@ class PodPlacement(Placement):
 
 
 LOCAL = Placement()
-SERVICES = Placement(bind="0.0.0.0", by_service_name=True,
-                     redis_password="${REDIS_PASSWORD:?set REDIS_PASSWORD}")   # compose interpolates it
-PODS = PodPlacement(bind="0.0.0.0", by_service_name=True,
-                    redis_password="$(REDIS_PASSWORD)")   # Kubernetes expands it from the container's env
+SERVICES = Placement(bind="0.0.0.0", by_service_name=True)
+PODS = PodPlacement(bind="0.0.0.0", by_service_name=True)
 
 
 @dataclass(frozen=True)
@@ -199,8 +196,7 @@ class Topology:
         return f"tessera:{self.name}"
 
     def redis_url(self, place: Placement) -> str:
-        auth = f":{place.redis_password}@" if place.redis_password else ""
-        return place.redis_url or f"redis://{auth}{place.address(self.roles['redis'], 0)}/0"
+        return place.redis_url or f"redis://{place.address(self.roles['redis'], 0)}/0"
 
     def processes(self, place: Placement = LOCAL) -> list[Process]:
         out = []
@@ -213,8 +209,7 @@ class Topology:
     def _argv(self, role: Role, i: int, place: Placement) -> list[str]:
         port = str(role.port + i)
         if role.name == "redis":
-            auth = ["--requirepass", place.redis_password] if place.redis_password else []
-            return ["redis-server", "--port", port, "--save", "", "--appendonly", "no", *auth]
+            return ["redis-server", "--port", port, "--save", "", "--appendonly", "no"]
         model = ["--model", self.model, "--dtype", self.dtype]
         common = ["--host", place.bind, "--port", port]
         threads = ["--threads", str(role.options["threads"])] if "threads" in role.options else []

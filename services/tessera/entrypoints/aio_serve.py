@@ -1,5 +1,5 @@
 """The serving loop every asyncio gRPC role without an engine shares (draft worker, pipeline
-stage): cluster-secret interceptor, grpc.health.v1 SERVING for "" and the role's service,
+stage): mutual TLS and the callers' roles checked (mtls/), grpc.health.v1 SERVING for "" and the role's service,
 background tasks (registry heartbeats), and on SIGTERM / SIGINT: stop the tasks (leave the
 registry), say NOT_SERVING, give calls in flight shutdown_grace_s."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Callable, Coroutine
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tessera import cluster_auth
+from tessera import mtls
 from tessera.gc_heap import freeze_startup_heap
 
 
@@ -19,13 +19,13 @@ async def serve_until_signal(add_servicer: Callable[[grpc.aio.Server], None], se
                              background: list[Coroutine], ready: Callable[[int], None],
                              shutdown_grace_s: float = 30.0) -> None:
     """ready(bound port) runs once the server accepts calls."""
-    server = grpc.aio.server(interceptors=[cluster_auth.AioServerInterceptor()])
+    server = grpc.aio.server(options=mtls.SERVER_OPTIONS, interceptors=[mtls.AioServerInterceptor()])
     add_servicer(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", service):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = mtls.add_port(server, host, port)
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stopping.set)

@@ -10,7 +10,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tessera import cluster_auth
+from tessera import mtls
 from tessera.disagg.control import LinkRefused
 from tessera.disagg.expert_node import ExpertNode
 from tessera.disagg.expert_shard import ExpertShard, expert_set, keep_ffn_share
@@ -63,13 +63,14 @@ def load_expert_node(model: str, dtype: str, name: str, index: int, count: int, 
 def serve(node: ExpertNode, host: str, port: int, shutdown_grace_s: float = 30.0) -> None:
     """Serve until SIGTERM / SIGINT; then refuse new calls and give the ones in flight
     shutdown_grace_s to finish."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), interceptors=[cluster_auth.ServerInterceptor()])
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=mtls.SERVER_OPTIONS,
+                         interceptors=[mtls.ServerInterceptor()])
     expert_pb2_grpc.add_ExpertNodeServicer_to_server(ExpertNodeServicer(node), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = mtls.add_port(server, host, port)
 
     def drain(*_) -> None:
         health_servicer.enter_graceful_shutdown()

@@ -1,5 +1,7 @@
 """`tessera probe TARGET`: a health check for containers (compose healthcheck, Kubernetes
-exec probes), so images need no curl or grpc_health_probe."""
+exec probes), so images need no curl or grpc_health_probe. A gRPC port demands a certificate
+of the deployment: the probe presents the container's own ($TESSERA_TLS_DIR) and checks the
+server's names a service of that same role."""
 from __future__ import annotations
 
 
@@ -14,7 +16,11 @@ def main(target: str, timeout_s: float = 5.0) -> int:
             return 1
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
-    with grpc.insecure_channel(target) as channel:
+
+    from tessera import mtls
+    from tessera.mtls.names import SERVES
+    ident = mtls.identity()
+    with mtls.channel(target, SERVES[ident.role][0] if ident and SERVES[ident.role] else "worker") as channel:
         try:
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
                                                                  timeout=timeout_s).status

@@ -4,10 +4,13 @@ SIGTERM / Ctrl-C drains both. Each process gets its settings as the flags that r
 same config dataclasses (flags.to_argv), so `serve`, `worker` and `gateway` cannot drift apart.
 With --speculative (and no --draft-address) a draft worker runs beside them and the worker
 drafts through it (disaggregated speculative decoding); each gets one thread, and the draft
-its own core where there are two."""
+its own core where there are two. The processes talk over mutual TLS on loopback too: a
+throwaway CA and a certificate per process are made at start in a private directory, so no
+other local user's process can call the worker or pose as it."""
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import replace
 
 from tessera.config import ConfigError, EngineConfig
@@ -16,6 +19,8 @@ from tessera.entrypoints.draft_worker import TARGET_ONLY_FIELDS
 from tessera.entrypoints.flags import to_argv
 from tessera.entrypoints.gateway.admission import AdmissionConfig
 from tessera.entrypoints.gateway.main import ADMISSION_FLAGS, GatewayConfig
+from tessera.mtls import ENV as TLS_ENV
+from tessera.mtls.certs import write_role_dirs
 
 # GatewayConfig fields `serve` sets itself rather than taking as flags.
 GATEWAY_FIELDS_SET_BY_SERVE = ("worker", "registry", "registry_prefix", "shutdown_grace_s")
@@ -57,8 +62,11 @@ def main(engine: EngineConfig, gateway: GatewayConfig, admission: AdmissionConfi
     own_draft = spec.draft not in (None, "ngram") and not spec.draft_address
     worker_args, gateway_args = process_args(engine, gateway, admission, worker_port, grace,
                                              draft_port if own_draft else None)
-    children = [Child("draft-worker-0", "draft_worker", tessera_argv(draft_worker_args(engine, draft_port, grace)),
-                      essential=False)] if own_draft else []
-    children += [Child("worker-0", "worker", tessera_argv(worker_args)),
-                 Child("gateway-0", "gateway", tessera_argv(gateway_args))]
-    return Supervisor(children, supervisor, "tessera serve").run()
+    with tempfile.TemporaryDirectory(prefix="tessera-serve-") as scratch:
+        tls = write_role_dirs(scratch, "serve", ("worker", "gateway", "draft-worker"))
+        children = [Child("draft-worker-0", "draft_worker",
+                          tessera_argv(draft_worker_args(engine, draft_port, grace)), essential=False,
+                          env={TLS_ENV: str(tls["draft-worker"])})] if own_draft else []
+        children += [Child("worker-0", "worker", tessera_argv(worker_args), env={TLS_ENV: str(tls["worker"])}),
+                     Child("gateway-0", "gateway", tessera_argv(gateway_args), env={TLS_ENV: str(tls["gateway"])})]
+        return Supervisor(children, supervisor, "tessera serve").run()

@@ -14,7 +14,6 @@ import pathlib
 import sys
 from dataclasses import dataclass, field
 
-from tessera import cluster_auth
 from tessera.config import ConfigError, EngineConfig
 from tessera.entrypoints.flags import to_argv
 
@@ -62,10 +61,7 @@ def _reexec(choice: EngineChoice, config: EngineConfig, host: str, port: int, re
         argv += ["--registry", url, "--registry-prefix", prefix, "--advertise", address]
     if metrics_port:
         argv += ["--metrics-port", str(metrics_port)]
-    env = dict(os.environ)
-    if cluster_auth.secret():    # a --cluster-secret-file already read: hand it on
-        env[cluster_auth.ENV] = cluster_auth.secret()
-    os.execve(python, [str(python), "-m", MAIN, *argv], env)
+    os.execve(python, [str(python), "-m", MAIN, *argv], dict(os.environ))   # its certificate: $TESSERA_TLS_DIR
 
 
 def vllm_environment(threads: int | None) -> None:

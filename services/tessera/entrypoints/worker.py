@@ -13,7 +13,7 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tessera import cluster_auth, logs
+from tessera import logs, mtls
 from tessera.async_engine import AsyncEngine
 from tessera.config import ConfigError, EngineConfig
 from tessera.cpu_pinning import pin_engine_threads
@@ -194,13 +194,13 @@ async def serve(config: EngineConfig, host: str, port: int, build=None, role: st
     if metrics_port:
         from tessera.metrics import serve_worker_metrics
         serve_worker_metrics(engine, role, metrics_port, host)
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20), *options.ACCEPT_KEEPALIVE],
-                             interceptors=[cluster_auth.AioServerInterceptor()])
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20), *options.ACCEPT_KEEPALIVE,
+                                      *mtls.SERVER_OPTIONS], interceptors=[mtls.AioServerInterceptor()])
     servicer = WorkerServicer(engine)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = mtls.add_port(server, host, port)
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stopping.set)

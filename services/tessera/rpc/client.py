@@ -7,7 +7,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from tessera import cluster_auth, logs
+from tessera import logs, mtls
 from tessera.rpc import convert, options
 from tessera.rpc.v1 import worker_pb2, worker_pb2_grpc
 from tessera.worker_api import GenerateChunk, GenerateInput, InvalidRequest, Unavailable, WorkerError, WorkerInfo
@@ -32,8 +32,8 @@ class GrpcWorkerClient:
         a session, of its own there; the old ones went with their loop."""
         loop = asyncio.get_running_loop()
         if self._stub_obj is None or self._loop is not loop:
-            self._channel = grpc.aio.insecure_channel(
-                self.address, options=options.LARGE_MESSAGES + options.RECONNECT + options.keepalive())
+            self._channel = mtls.aio_channel(
+                self.address, "worker", options.LARGE_MESSAGES + options.RECONNECT + options.keepalive())
             self._stub_obj, self._loop, self._session = worker_pb2_grpc.WorkerStub(self._channel), loop, None
         return self._stub_obj
 
@@ -80,7 +80,7 @@ class GrpcWorkerClient:
         once). The failed session's status cannot tell: gRPC reports a stream whose server
         answered UNIMPLEMENTED while requests were still being written as INTERNAL."""
         try:
-            async for _ in self._stub.Session(iter(()), timeout=5, metadata=cluster_auth.metadata()):
+            async for _ in self._stub.Session(iter(()), timeout=5):
                 pass
         except grpc.aio.AioRpcError as e:
             return e.code() == grpc.StatusCode.UNIMPLEMENTED
@@ -89,7 +89,7 @@ class GrpcWorkerClient:
     async def _over_generate(self, request: GenerateInput) -> AsyncIterator[GenerateChunk]:
         request_id = ("x-request-id", logs.request_id.get() or request.request_id)
         call = self._stub.Generate(convert.generate_request_to_proto(request),
-                                   metadata=cluster_auth.metadata(request_id))
+                                   metadata=(request_id,))
         try:
             while (msg := await self._next(call.read())) is not grpc.aio.EOF:
                 yield convert.chunk_from_proto(msg)
@@ -114,13 +114,11 @@ class GrpcWorkerClient:
         return self._session
 
     async def abort(self, request_id: str) -> None:
-        await self._stub.Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=5,
-                               metadata=cluster_auth.metadata())
+        await self._stub.Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=5)
 
     async def info(self, timeout_s: float = 5.0) -> WorkerInfo:
         try:
-            reply = await self._stub.Info(worker_pb2.InfoRequest(), timeout=timeout_s,
-                                          metadata=cluster_auth.metadata())
+            reply = await self._stub.Info(worker_pb2.InfoRequest(), timeout=timeout_s)
             return convert.info_from_proto(reply)
         except grpc.aio.AioRpcError as e:
             raise convert.error_from_status(e.code(), e.details()) from None
@@ -149,7 +147,7 @@ class _Session:
         self._last_message = time.monotonic()
         self._outgoing: asyncio.Queue = asyncio.Queue()
         self._open: dict[str, asyncio.Queue] = {}
-        self._call = stub.Session(self._requests(), metadata=cluster_auth.metadata())
+        self._call = stub.Session(self._requests())
         self._reader = asyncio.create_task(self._read())
 
     def start(self, request: GenerateInput, log_id: str) -> asyncio.Queue:

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import grpc
 
-from tessera import cluster_auth
+from tessera import mtls
 from tessera.draft_api import DraftInfo, DraftRound
 from tessera.rpc import convert, options
 from tessera.rpc.v1 import draft_pb2, draft_pb2_grpc
@@ -38,7 +38,7 @@ class DraftClient:
         model with another tokenizer must not reach the target's embedding)."""
         self.address, self.timeout_s = address, timeout_s
         self.backoff_s, self.max_backoff_s, self.vocab_size = backoff_s, max_backoff_s, vocab_size
-        self._channel = grpc.insecure_channel(address, options=options.RECONNECT)
+        self._channel = mtls.channel(address, "draft-worker", options.RECONNECT)
         self._stub = draft_pb2_grpc.DraftWorkerStub(self._channel)
         self._held: dict[str, int] = {}          # request id -> tokens the draft worker holds
         self._rounds = itertools.count(1)        # one counter: rounds increase per request, across resets
@@ -58,8 +58,7 @@ class DraftClient:
         delta = held is not None and 0 < num_new < n and held == n - num_new
         r = DraftRound(request_id, next(self._rounds), tuple(token_ids[n - num_new:] if delta else token_ids), n, size)
         try:
-            reply = self._stub.Round(convert.round_to_proto(r), timeout=self.timeout_s,
-                                     metadata=cluster_auth.metadata())
+            reply = self._stub.Round(convert.round_to_proto(r), timeout=self.timeout_s)
             answered, draft = convert.draft_from_proto(reply)
         except grpc.RpcError as e:
             self.failed_rounds += 1
@@ -92,15 +91,13 @@ class DraftClient:
         draft worker holds (the engine calls finish on every step it decodes plainly)."""
         if self._held.pop(request_id, None) is None or time.monotonic() < self._retry_at:
             return
-        call = self._stub.Finish.future(draft_pb2.FinishRequest(request_id=request_id), timeout=self.timeout_s,
-                                        metadata=cluster_auth.metadata())
+        call = self._stub.Finish.future(draft_pb2.FinishRequest(request_id=request_id), timeout=self.timeout_s)
         self._finishing.add(call)
         call.add_done_callback(self._finishing.discard)
 
     def info(self, timeout_s: float = 5.0) -> DraftInfo:
         """The draft worker's model and counters; grpc.RpcError when it does not answer."""
-        return convert.draft_info_from_proto(self._stub.Info(draft_pb2.DraftInfoRequest(), timeout=timeout_s,
-                                                             metadata=cluster_auth.metadata()))
+        return convert.draft_info_from_proto(self._stub.Info(draft_pb2.DraftInfoRequest(), timeout=timeout_s))
 
     def close(self) -> None:
         self._channel.close()

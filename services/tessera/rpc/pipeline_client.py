@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from tessera import cluster_auth
+from tessera import mtls
 from tessera.pipeline.control import StageInfo, StageLink, StageReply
 from tessera.rpc import convert, options
 from tessera.rpc.v1 import pipeline_pb2, pipeline_pb2_grpc
@@ -13,21 +13,19 @@ from tessera.rpc.v1 import pipeline_pb2, pipeline_pb2_grpc
 class GrpcStageControl:
     def __init__(self, address: str, timeout_s: float = 10.0) -> None:
         self.address, self.timeout_s = address, timeout_s
-        self._channel = grpc.insecure_channel(address, options=options.RECONNECT)
+        self._channel = mtls.channel(address, "pipeline-shard", options.RECONNECT)
         self._stub = pipeline_pb2_grpc.PipelineShardStub(self._channel)
 
     def connect(self, link: StageLink) -> StageReply:
         try:
-            reply = self._stub.Connect(convert.stage_link_to_proto(link), timeout=self.timeout_s,
-                                       metadata=cluster_auth.metadata())
+            reply = self._stub.Connect(convert.stage_link_to_proto(link), timeout=self.timeout_s)
         except grpc.RpcError as e:
             raise convert.stage_error_from_status(e.code(), f"{self.address}: {e.details()}") from None
         return convert.stage_reply_from_proto(reply)
 
     def info(self) -> StageInfo:
         try:
-            reply = self._stub.StageInfo(pipeline_pb2.StageInfoRequest(), timeout=self.timeout_s,
-                                         metadata=cluster_auth.metadata())
+            reply = self._stub.StageInfo(pipeline_pb2.StageInfoRequest(), timeout=self.timeout_s)
         except grpc.RpcError as e:
             raise convert.stage_error_from_status(e.code(), f"{self.address}: {e.details()}") from None
         return convert.stage_info_from_proto(reply)

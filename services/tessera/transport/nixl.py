@@ -1,7 +1,8 @@
 """M2N transport over NIXL (UCX): one-sided RDMA-style writes into the receiver's
 pre-registered slots, each followed by a notification that carries the message header.
 
-Every endpoint registers, per peer, one region of 2 directions x `slots` slots x `capacity`
+Agent metadata is exchanged only over the control plane's mutual-TLS gRPC calls (mtls/), and
+notifications from an agent not announced there are refused. Every endpoint registers, per peer, one region of 2 directions x `slots` slots x `capacity`
 bytes and hands the peer its agent metadata plus the region's address (`metadata_for`, sent
 over the control channel). A sender writes micro-batch i into slot i % slots only after the
 receiver has released that slot's previous message (MegaScale-Infer's buffer-free step), so a
@@ -298,11 +299,13 @@ class NixlTransport:
         return bool(notifs)
 
     def _deliver(self, src: str, message: bytes) -> None:
+        peer = self._peers.get(src)
+        if peer is None:    # only agents announced over the (mutual TLS) control plane are read
+            raise TransportError(f"notification from unannounced agent {src!r}")
         kind, freed = _NOTE.unpack_from(message)
         if kind not in (_DATA, _FREE):
             raise TransportError(f"unknown notification {message[:16]!r}")
-        peer = self._peers.get(src)
-        if freed and peer is not None:
+        if freed:
             for bit in range(2 * peer.slots):
                 if freed >> bit & 1:
                     peer.busy.discard(divmod(bit, peer.slots))

@@ -2,24 +2,32 @@
 frames of a fixed header, the shape, then the raw tensor bytes (no pickling). A reader thread
 per incoming connection copies each frame into the receiver's Mailbox slot, waiting while the
 slot is busy, so TCP flow control pushes back on a sender that runs ahead of its receiver.
-A link opens with the sender's name and its cluster_auth proof: only peers announced by the
-control plane (connect / add_peer) and knowing the secret are read, and a frame larger than a
-slot (capacity_bytes) closes the link before anything is allocated for it."""
+Where the process holds a deployment certificate (mtls/), every link is TLS 1.3 with
+certificates checked both ways: the dialer checks the listener's names the M2N service, the
+listener that the dialer's role may send M2N messages. A connection must finish its handshake
+within HANDSHAKE_S, at most MAX_HANDSHAKES wait at a time (more are closed unread), and
+nothing is read from it before the handshake holds. Then the link opens with the sender's
+name: only peers announced by the control plane (connect / add_peer) are read, and a frame
+larger than a slot (capacity_bytes) closes the link before anything is allocated for it."""
 from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import struct
 import threading
 
 import torch
 
-from tessera import cluster_auth
+from tessera.mtls import links as mtls
+from tessera.mtls.names import CALLERS
 from tessera.transport.base import (ERROR, HEADER, Mailbox, Tag, TransportError, pack_header, tensor_bytes,
                                     unpack_fixed, unpack_header)
 
 log = logging.getLogger("tessera.transport.tcp")
-_HELLO = struct.Struct("<H")           # length of the sender's name, then the name and its proof
+_HELLO = struct.Struct("<B")           # length of the sender's name, then the name
+HANDSHAKE_S = 5.0
+MAX_HANDSHAKES = 16
 
 
 class TcpTransport:
@@ -32,6 +40,9 @@ class TcpTransport:
         self.peers = dict(peers or {})
         self._conns: dict[str, tuple[socket.socket, threading.Lock]] = {}
         self._conns_lock = threading.Lock()
+        mtls.check_bind(host)
+        self._tls = mtls.ssl_contexts()
+        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self._server = socket.create_server((host, port))
         self.address = self._server.getsockname()[:2]
         self.advertise = advertise or self.address[0]
@@ -89,12 +100,14 @@ class TcpTransport:
                     raise TransportError(f"unknown endpoint {dst}")
                 try:
                     sock = socket.create_connection(self.peers[dst], timeout=10)
-                except OSError as e:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    if self._tls is not None:
+                        sock = self._tls[1].wrap_socket(sock, server_hostname=mtls.m2n_host())
+                except (OSError, ssl.SSLError) as e:
                     raise TransportError(f"cannot reach {dst} at {self.peers[dst]}: {e}") from e
                 sock.settimeout(None)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                name = self.name.encode()
-                sock.sendall(_HELLO.pack(len(name)) + name + cluster_auth.peer_proof(self.name, dst))
+                name = self.name.encode()[:255]
+                sock.sendall(_HELLO.pack(len(name)) + name)
                 self._conns[dst] = (sock, threading.Lock())
             return self._conns[dst]
 
@@ -110,14 +123,26 @@ class TcpTransport:
                 sock, _ = self._server.accept()
             except OSError:
                 return
+            if not self._handshakes.acquire(blocking=False):
+                self.rejected += 1
+                sock.close()     # too many links still proving who they are
+                continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._read, args=(sock,), daemon=True).start()
 
     def _read(self, sock: socket.socket) -> None:
         """Frames from one sender until it disconnects; a malformed frame closes only this link."""
+        try:
+            sock, src = self._hello(sock)
+        except (ConnectionError, OSError, TransportError) as e:
+            self.rejected += 1
+            log.warning("refused an M2N link: %s", e)
+            sock.close()
+            return
+        finally:
+            self._handshakes.release()
         with sock:
             try:
-                src = self._hello(sock)
                 while True:
                     self._read_frame(sock, src)
             except (ConnectionError, OSError):
@@ -126,16 +151,28 @@ class TcpTransport:
                 self.rejected += 1
                 log.warning("rejected a message: %s", e)
 
-    def _hello(self, sock: socket.socket) -> str:
-        """The sender's name, once it is a peer the control plane announced and its proof holds."""
-        (n,) = _HELLO.unpack(_read_exact(sock, _HELLO.size))
-        src = _read_exact(sock, n).decode(errors="replace")
-        proof = bytes(_read_exact(sock, cluster_auth.PROOF_SIZE))
-        if src not in self.peers:
-            raise TransportError(f"link from unannounced peer {src!r}")
-        if not cluster_auth.check_proof(src, self.name, proof):
-            raise TransportError(f"link from {src!r} without the cluster secret")
-        return src
+    def _hello(self, sock: socket.socket) -> tuple[socket.socket, str]:
+        """The (TLS) socket and the sender's name, once its certificate holds a role that may
+        send M2N messages and it is a peer the control plane announced; all within HANDSHAKE_S."""
+        sock.settimeout(HANDSHAKE_S)
+        if self._tls is not None:
+            try:
+                sock = self._tls[0].wrap_socket(sock, server_side=True)   # takes over the descriptor
+            except ssl.SSLError as e:
+                raise TransportError(f"TLS handshake failed: {e.reason}") from None
+        try:
+            role = mtls.peer_role(sock) if self._tls is not None else None
+            if self._tls is not None and role not in CALLERS["m2n"]:
+                raise TransportError(f"a {role or 'foreign'} certificate may not open M2N links")
+            (n,) = _HELLO.unpack(_read_exact(sock, _HELLO.size))
+            src = _read_exact(sock, n).decode(errors="replace")
+            if src not in self.peers:
+                raise TransportError(f"link from unannounced peer {src!r}")
+        except BaseException:
+            sock.close()
+            raise
+        sock.settimeout(None)
+        return sock, src
 
     def _read_frame(self, sock: socket.socket, src: str) -> None:
         fixed = _read_exact(sock, HEADER.size)
