@@ -141,17 +141,22 @@ def tessera_up(topology: str, timeout_s: float = 240.0, env: dict | None = None)
 class RedisServer:
     """A redis-server of our own on a fixed free port that a test can stop and start again."""
 
-    def __init__(self, tmp: str) -> None:
+    def __init__(self, tmp: str, password: str | None = None) -> None:
         import shutil
         self.server = shutil.which("redis-server")
         if self.server is None:
             raise RuntimeError("install redis-server")
-        self.port, self.tmp, self.proc = free_port(), tmp, None
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.port, self.tmp, self.proc, self.password = free_port(), tmp, None, password
+        auth = f":{password}@" if password else ""
+        self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        self.proc = subprocess.Popen([self.server, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", self.tmp], stdout=subprocess.DEVNULL)
+        # the password as config on stdin ("-"), never on a command line
+        self.proc = subprocess.Popen([self.server, "-", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", self.tmp], stdout=subprocess.DEVNULL,
+                                     stdin=subprocess.PIPE)
+        self.proc.stdin.write(f"requirepass {self.password}\n".encode() if self.password else b"")
+        self.proc.stdin.close()
         deadline = time.monotonic() + 10
         while True:
             with contextlib.closing(socket.socket()) as s:
@@ -168,11 +173,11 @@ class RedisServer:
 
 
 @contextlib.contextmanager
-def redis_server():
+def redis_server(password: str | None = None):
     """A RedisServer, started; stopped on exit."""
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
-        server = RedisServer(tmp)
+        server = RedisServer(tmp, password)
         server.start()
         try:
             yield server

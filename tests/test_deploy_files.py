@@ -2,7 +2,8 @@
 `tessera render` makes of the topology files (one source of truth); the Kubernetes objects agree
 with the topology (image, commands, ports, probes, replicas); and every compose file's services
 run here as local processes (service names -> 127.0.0.1, each port moved to a free one), their
-own healthcheck commands pass, and a chat request through the gateway gets an answer."""
+own healthcheck commands pass (with each container's certificate, as `tessera certs` writes
+them), and a chat request through the gateway gets an answer. No secret is in any rendered file."""
 from __future__ import annotations
 
 import contextlib
@@ -24,7 +25,7 @@ from tessera.deploy.up import stop
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOPOLOGIES = sorted((ROOT / "deploy" / "topologies").glob("*.yaml"))
-SECRETS = {"REDIS_PASSWORD": "compose-test-pw", "TESSERA_CLUSTER_SECRET": "compose-test-secret"}
+SECRETS = {"REDIS_PASSWORD": "compose-test-pw"}
 
 
 def _rel(path: pathlib.Path) -> str:
@@ -52,7 +53,7 @@ def test_kubernetes_objects_agree_with_the_topology(path):
         (container,) = spec["containers"]
         args, port = container["args"], container["ports"][0]["containerPort"]
         assert d["spec"]["selector"]["matchLabels"] == d["spec"]["template"]["metadata"]["labels"]
-        assert args[args.index("--port") + 1] == str(port)
+        assert re.search(rf"--port {port}\b", " ".join(args))      # redis: inside its bash -c
         assert container["resources"]["requests"]["cpu"] and container["resources"]["requests"]["memory"]
         role = "redis" if container["image"].startswith("redis") else args[0].replace("-", "_")
         replicas[role] = replicas.get(role, 0) + d["spec"]["replicas"]
@@ -64,8 +65,8 @@ def test_kubernetes_objects_agree_with_the_topology(path):
         if role == "gateway":
             assert [p["httpGet"]["path"] for p in probes] == ["/health/live", "/health/ready", "/health/live"]
             assert {p["httpGet"]["port"] for p in probes} == {port}
-        else:
-            assert {p["grpc"]["port"] for p in probes} == {port}
+        else:   # gRPC health with the pod's own certificate (its port demands one)
+            assert [p["exec"]["command"] for p in probes] == [["tessera", "probe", f"127.0.0.1:{port}"]] * 3
         if any("$(POD_IP)" in a for a in args):
             assert container["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         for a in args:   # every address it dials is a Service of this file, on that Service's port
@@ -78,54 +79,66 @@ def test_kubernetes_objects_agree_with_the_topology(path):
 
 
 def _secrets_come_from_the_operators_secret(deployments, registry: bool) -> None:
-    """Every tessera container gets the cluster secret, and (with a registry) Redis requires the
-    password, both from the Secret tessera-secrets, which the file references but never holds."""
+    """Every tessera container mounts its role's certificate Secret (tessera-tls-<role>) at
+    TESSERA_TLS_DIR, and (with a registry) Redis's password comes from the Secret
+    tessera-secrets by environment: no command line holds it."""
     for d in deployments:
-        (container,) = d["spec"]["template"]["spec"]["containers"]
-        refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container.get("env", [])
-                if "secretKeyRef" in e.get("valueFrom", {})}
-        assert {r["name"] for r in refs.values()} <= {"tessera-secrets"}
+        pod = d["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        env = {e["name"]: e for e in container.get("env", [])}
+        assert " ".join(container["args"]).count("REDIS_PASSWORD") == \
+            (1 if container["image"].startswith("redis") else 0)      # redis: a variable read from stdin
+        if registry:
+            assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "tessera-secrets",
+                                                                          "key": "redis-password"}
         if container["image"].startswith("redis"):
-            assert "--requirepass" in container["args"] and refs["REDIS_PASSWORD"]["key"] == "redis-password"
             continue
-        assert refs["TESSERA_CLUSTER_SECRET"]["key"] == "cluster-secret"
-        if registry and "--registry" in container["args"]:
-            url = container["args"][container["args"].index("--registry") + 1]
-            assert url.startswith("redis://:$(REDIS_PASSWORD)@") and "REDIS_PASSWORD" in refs
+        role = container["args"][0]
+        (tls,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+        assert tls["secret"]["secretName"] == f"tessera-tls-{role}"
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == "tls"]
+        assert mount["mountPath"] == env["TESSERA_TLS_DIR"]["value"] and mount["readOnly"]
 
 
 @pytest.mark.parametrize("path", TOPOLOGIES, ids=lambda p: p.stem)
 def test_compose_files_take_secrets_from_the_environment(path):
     services = yaml.safe_load((ROOT / "deploy/compose" / path.name).read_text())["services"]
+    registry = Topology.load(path).registry
     for service in services.values():
+        if registry:
+            assert service["environment"]["REDIS_PASSWORD"] == "${REDIS_PASSWORD:?set REDIS_PASSWORD}"
         if service["image"].startswith("redis"):
-            assert service["command"][-2:] == ["--requirepass", "${REDIS_PASSWORD:?set REDIS_PASSWORD}"]
+            assert "--requirepass" not in service["command"]
             continue
-        assert service["environment"] == {"TESSERA_CLUSTER_SECRET":
-                                          "${TESSERA_CLUSTER_SECRET:?set TESSERA_CLUSTER_SECRET}"}
+        role = service["command"][1]
+        assert service["environment"]["TESSERA_TLS_DIR"] == "/etc/tessera/tls"
+        assert f"${{TESSERA_CERTS:?set TESSERA_CERTS}}/{role}:/etc/tessera/tls:ro" in service["volumes"]
         for a in service["command"]:
-            assert not a.startswith("redis://") or a.startswith("redis://:${REDIS_PASSWORD:?set REDIS_PASSWORD}@")
+            assert "REDIS_PASSWORD" not in a and not re.match(r"redis://[^/]*@", a)
 
 
 class LocalCompose:
     """A compose file's services as processes here: names -> 127.0.0.1, ports -> free ports."""
 
-    def __init__(self, path: pathlib.Path, tmp: pathlib.Path) -> None:
+    def __init__(self, path: pathlib.Path, tmp: pathlib.Path, certs: pathlib.Path) -> None:
         self.spec = yaml.safe_load(path.read_text())
         self.services = self.spec["services"]
         self.ports = {}
         for s in self.services.values():
-            cmd = s["command"]
-            self.ports[cmd[cmd.index("--port") + 1]] = str(free_port())
-        self.tmp = tmp
+            cmd = " ".join(s["command"])
+            self.ports[re.search(r"--port (\d+)", cmd)[1]] = str(free_port())
+        self.tmp, self.vars = tmp, {**SECRETS, "TESSERA_CERTS": str(certs)}
 
-    @staticmethod
-    def interpolate(a: str) -> str:
-        """What compose does to ${VAR} and ${VAR:?message}: here with SECRETS (and only them)."""
-        return re.sub(r"\$\{(\w+)(:\?[^}]*)?\}", lambda m: SECRETS[m[1]], a)
+    def interpolate(self, a: str) -> str:
+        """What compose does to ${VAR}, ${VAR:?message} and $$: here with self.vars (and only them)."""
+        return re.sub(r"\$\{(\w+)(:\?[^}]*)?\}", lambda m: self.vars[m[1]], a).replace("$$", "$")
 
     def env(self, service: dict) -> dict:
-        return dict(os.environ, **{k: self.interpolate(v) for k, v in service.get("environment", {}).items()})
+        """The service's environment, a mounted directory's path in it replaced by its source here."""
+        mounts = dict(reversed(self.interpolate(v).split(":")[:2]) for v in service.get("volumes", [])
+                      if v.startswith("${"))
+        env = {k: self.interpolate(v) for k, v in service.get("environment", {}).items()}
+        return dict(os.environ, **{k: mounts.get(v, v) for k, v in env.items()})
 
     def rewrite(self, args: list[str]) -> list[str]:
         out = []
@@ -136,6 +149,7 @@ class LocalCompose:
                 a = "127.0.0.1"
             a = re.sub(r"([\w.-]+):(\d+)", lambda m: (f"127.0.0.1:{self.ports[m[2]]}" if m[2] in self.ports
                                                       else m[0]), a)
+            a = re.sub(r"(--port|-p) (\d+)", lambda m: f"{m[1]} {self.ports.get(m[2], m[2])}", a)   # inside sh -c
             out.append("127.0.0.1" if a == "0.0.0.0" else a)
         return out
 
@@ -146,7 +160,7 @@ class LocalCompose:
     def healthy(self, service: dict) -> bool:
         test = service["healthcheck"]["test"]
         assert test[0] == "CMD"
-        return subprocess.run(self.argv(test[1:]), capture_output=True, timeout=30).returncode == 0
+        return subprocess.run(self.argv(test[1:]), capture_output=True, timeout=30, env=self.env(service)).returncode == 0
 
     @contextlib.contextmanager
     def up(self, timeout_s: float = 240):
@@ -171,7 +185,10 @@ class LocalCompose:
 @pytest.mark.e2e
 @pytest.mark.parametrize("path", sorted((ROOT / "deploy" / "compose").glob("*.yaml")), ids=lambda p: p.stem)
 def test_compose_services_run_as_local_processes(path, tmp_path):
-    compose = LocalCompose(path, tmp_path)
+    topology = ROOT / "deploy" / "topologies" / path.name
+    subprocess.run([sys.executable, "-m", "tessera.cli", "certs", str(topology), "--out", str(tmp_path / "certs")],
+                   check=True)   # what the compose file's header tells the operator to run
+    compose = LocalCompose(path, tmp_path, tmp_path / "certs")
     commands = [s["command"] for s in compose.services.values()]
     if any(c[c.index("--engine") + 1] == "vllm" for c in commands if "--engine" in c) and \
             not (ROOT / ".venv-vllm" / "bin" / "python").exists():

@@ -27,7 +27,6 @@ MODEL = "random:llama:num_hidden_layers=4"
 BITS = [16, 8, 4, 16]
 STAGES = ["0:1", "1:3", "3:4"]
 PROMPTS = ["Count from one to ten.", "Name a colour."]
-SECRET = "test-pipeline-secret"     # tessera up's cluster secret, so this test can call the stages too
 
 
 def low_ports(n: int) -> int:
@@ -86,8 +85,12 @@ def pipeline(plan, tmp_path_factory):
         "gateway": {"port": port}}}
     topology = tmp_path_factory.mktemp("up") / "pipe.yaml"
     topology.write_text(yaml.safe_dump(spec))
-    env = {**{k: v for k, v in os.environ.items() if k != "REDIS_URL"}, "TESSERA_CLUSTER_SECRET": SECRET}
-    up = Logged("up", str(topology), "--restart-backoff-s", "0.2", "--shutdown-grace-s", "5", env=env)
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    certs = topology.with_suffix(".certs")    # the deployment's certificates, so this test can call the stages too
+    subprocess.run([sys.executable, "-m", "tessera.cli", "certs", str(topology), "--out", str(certs)], check=True)
+    up = Logged("up", str(topology), "--certs", str(certs), "--restart-backoff-s", "0.2", "--shutdown-grace-s", "5",
+                env=env)
+    up.certs = certs
     url = f"http://127.0.0.1:{port}"
     try:
         up.wait_for(rf"tessera worker ready on 127.0.0.1:{stage_port}", 180)
@@ -130,14 +133,12 @@ def test_up_pipeline_answers_like_one_serve_process(pipeline, expected):
 def test_every_stage_counts_the_seconds_in_its_layers(pipeline, monkeypatch):
     """What bench pq compares with the cost model per stage: stage 0's Info and the later
     stages' StageInfo, each growing while a request runs through them."""
-    from tessera import cluster_auth
     from tessera.bench.pq_bench import stage_compute_s
     up, url = pipeline
-    monkeypatch.setenv(cluster_auth.ENV, SECRET)            # the stages' internal calls need it
     port = int(url.rsplit(":", 1)[1])
-    before = stage_compute_s(port, len(STAGES))
+    before = stage_compute_s(port, len(STAGES), up.certs)
     chat(url, PROMPTS[0])
-    after = stage_compute_s(port, len(STAGES))
+    after = stage_compute_s(port, len(STAGES), up.certs)
     assert all(t1 > t0 for t0, t1 in zip(before, after)), (before, after)
 
 

@@ -21,7 +21,7 @@ import grpc
 import httpx
 import pytest
 
-from servers import Logged, free_port, wait_until
+from servers import Logged, free_port, redis_server, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MAX_LEN = 2048      # the tiny random llama's context
@@ -191,20 +191,25 @@ def test_a_draft_worker_sigkilled_mid_stream_costs_only_speed(stacks):
 
 
 @pytest.mark.e2e
-def test_up_runs_the_speculative_topology_with_the_cluster_secret(tiny_models, tmp_path):
-    """`tessera up` (which always sets a cluster secret): the target drafts through its draft
-    worker, both register under the same model, and the gateway routes only to the target."""
+def test_up_runs_the_speculative_topology_over_mutual_tls(tiny_models, tmp_path):
+    """`tessera up` (mutual TLS on every internal link, a Redis with a password): the target
+    drafts through its draft worker, both register under the same model, the gateway routes
+    only to the target, and a caller without the deployment's certificate drafts nothing."""
     import yaml
-
-    from tessera.registry import RedisRegistry
     spec = yaml.safe_load((ROOT / "deploy/topologies/speculative.yaml").read_text())
     spec.update(model=tiny_models["llama"], dtype="float32")
     spec["roles"]["draft_worker"].update(port=free_port(), speculative="self:2")
     spec["roles"]["target_worker"]["port"] = free_port()
     path, port = tmp_path / "speculative.yaml", free_port()
     path.write_text(yaml.safe_dump(spec))
-    up = Logged("up", str(path), "--port", str(port), "--shutdown-grace-s", "2",
-                env={k: v for k, v in os.environ.items() if k != "REDIS_URL"})
+    with redis_server(password="spec-test-pw") as redis:
+        up = Logged("up", str(path), "--port", str(port), "--shutdown-grace-s", "2",
+                    env=dict(os.environ, REDIS_URL=redis.url))
+        _speculates_behind_the_gateway(up, port, spec, redis.url)
+
+
+def _speculates_behind_the_gateway(up, port: int, spec: dict, redis_url: str) -> None:
+    from tessera.registry import RedisRegistry
     try:
         url = f"http://127.0.0.1:{port}"
         up.wait_for("tessera draft worker ready", 120)
@@ -214,16 +219,17 @@ def test_up_runs_the_speculative_topology_with_the_cluster_secret(tiny_models, t
         assert r.usage.completion_tokens_details.accepted_prediction_tokens > 0
 
         async def registered():
-            registry = RedisRegistry(up.wait_for(r"tessera up: registry (\S+)")[1], prefix="tessera:speculative")
+            assert "spec-test-pw" not in up.wait_for(r"tessera up: registry (\S+)")[1]
+            registry = RedisRegistry(redis_url, prefix="tessera:speculative")
             try:
                 return sorted((rec.role, rec.model) for rec in await registry.list())
             finally:
                 await registry.close()
         assert asyncio.run(registered()) == [("draft", "llama"), ("worker", "llama")]
         assert _metric(url, "tessera_gateway_workers") == 1
-        with pytest.raises(grpc.RpcError) as e:        # a round without the secret drafts nothing
+        with pytest.raises(grpc.RpcError) as e:        # a round without a certificate drafts nothing
             _round(_stub(f"127.0.0.1:{spec['roles']['draft_worker']['port']}"), "r", 1, [1], 1)
-        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         assert up.close(60) == 0
 

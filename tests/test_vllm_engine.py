@@ -11,6 +11,8 @@ import concurrent.futures
 import os
 import pathlib
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -27,7 +29,6 @@ if not (ROOT / ".venv-vllm" / "bin" / "python").exists():
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 MODEL = "SmolLM2-135M-Instruct"
-SECRET = "vllm-test-secret"      # the deployment's cluster secret, so the test may ask the workers directly
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
            "Explain what a CPU does in one sentence.", "Translate 'good morning' into Spanish.",
@@ -101,7 +102,10 @@ def deployment(tmp_path_factory):
     path.write_text(f"name: vllm-test\nmodel: smollm2\ndtype: float32\nroles:\n  redis: {{port: 6379}}\n"
                     f"  worker: {{engine: vllm, replicas: 2, port: {workers}, threads: 1, max_num_seqs: 16}}\n"
                     f"  gateway: {{port: {port}}}\n")
-    up = Logged("up", str(path), "--shutdown-grace-s", "5", env=dict(os.environ, TESSERA_CLUSTER_SECRET=SECRET))
+    certs = path.with_suffix(".certs")    # the deployment's certificates, so the tests may ask the workers directly
+    subprocess.run([sys.executable, "-m", "tessera.cli", "certs", str(path), "--out", str(certs)], check=True)
+    up = Logged("up", str(path), "--certs", str(certs), "--shutdown-grace-s", "5")
+    up.certs = certs
     try:
         up.wait_for("tessera worker ready", timeout_s=300, count=2)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -210,7 +214,7 @@ def test_errors_are_openai_400s(client):
 
 def test_the_engine_is_in_the_compatibility_hash(deployment, monkeypatch):
     """A stream never fails over between a vLLM and a native worker: their hashes differ."""
-    monkeypatch.setenv("TESSERA_CLUSTER_SECRET", SECRET)
+    monkeypatch.setenv("TESSERA_TLS_DIR", str(deployment[1].certs / "gateway"))   # ask as the gateway
     from tessera.registry import compatibility_hash
     from tessera.rpc.client import GrpcWorkerClient
     from tessera.tokenizer import load_tokenizer

@@ -1,0 +1,149 @@
+"""`tessera up` against someone who can write the deployment's Redis (holding its password, as
+after a Redis compromise): worker records pointing at a listener of theirs, and at a process
+holding another role's certificate of the same CA, get no request and no credential, and every
+user request still succeeds. No secret (Redis password, key) shows on a command line or in
+`tessera up`'s output."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import threading
+
+import grpc
+import openai
+import pytest
+import yaml
+from grpc_health.v1 import health, health_pb2_grpc
+
+from servers import Logged, free_port, redis_server, wait_until
+from tessera.mtls.certs import write_role_dirs
+from tessera.mtls.links import SERVER_OPTIONS, add_port
+
+PASSWORD = "trust-test-redis-pw"
+PROMPT = "Tell me about the harbour at dawn."
+
+
+class Listener:
+    """A plain TCP listener that keeps every byte it is sent (then closes the connection)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port, self.received = self.sock.getsockname()[1], bytearray()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(1.0)
+                try:
+                    while chunk := conn.recv(65536):
+                        self.received += chunk
+                except OSError:
+                    pass
+
+
+def _cmdlines() -> list[str]:
+    out = []
+    for d in pathlib.Path("/proc").iterdir():
+        try:
+            out.append((d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:
+            continue
+    return out
+
+
+async def _plant(redis_url: str, prefix: str, addresses: list[str]) -> None:
+    """Copy the real worker's record under new ids, pointing at `addresses`, with no load (so a
+    least-loaded gateway would pick them first), and keep them fresh."""
+    import redis.asyncio as redis
+    client = redis.Redis.from_url(redis_url)
+    try:
+        (key,) = [k async for k in client.scan_iter(match=f"{prefix}:worker:*")]
+        record = json.loads(await client.get(key))
+        for i, address in enumerate(addresses):
+            await client.set(f"{prefix}:worker:rogue-{i}", json.dumps({**record, "worker_id": f"rogue-{i}",
+                                                                       "address": address, "load": 0}))
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.e2e
+def test_a_planted_worker_record_gets_no_request_and_users_are_served(tiny_models, tmp_path):
+    topology = tmp_path / "trust.yaml"
+    port, worker_port = free_port(), free_port()
+    topology.write_text(yaml.safe_dump({"name": "trust", "model": tiny_models["llama"], "dtype": "float32", "roles": {
+        "redis": {"port": 6379}, "worker": {"replicas": 1, "port": worker_port, "num_kv_blocks": 64},
+        "gateway": {"port": port}}}))
+    certs = tmp_path / "certs"
+    subprocess.run([sys.executable, "-m", "tessera.cli", "certs", str(topology), "--out", str(certs)], check=True)
+    # An insider: a certificate of this very CA, for a role that does not serve the Worker service.
+    ca = ((certs / "ca" / "ca.crt").read_bytes(), (certs / "ca" / "ca.key").read_bytes())
+    insider = write_role_dirs(tmp_path / "insider", "trust", roles=("expert-node",), ca=ca)["expert-node"]
+    outsider = Listener()
+    with redis_server(password=PASSWORD) as redis:
+        up = Logged("up", str(topology), "--certs", str(certs), "--shutdown-grace-s", "2",
+                    env=dict(os.environ, REDIS_URL=redis.url))
+        try:
+            up.wait_for("tessera worker ready", 120)
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                                   timeout=60)
+            wait_until(lambda: _answers(client), 120, "the gateway never answered")
+            assert not [c for c in _cmdlines() if PASSWORD in c]                      # not in `ps`
+            assert not [line for line in up.lines if PASSWORD in line]              # not in the output
+            insider_seen = asyncio.run(_with_insider(insider, redis.url, outsider, client))
+        finally:
+            assert up.close(60) == 0
+    assert insider_seen == []                                           # not one call reached it
+    assert PROMPT.encode() not in outsider.received                     # no prompt, in clear or otherwise
+    assert outsider.received[:1] == b"\x16"      # the gateway did dial it: a TLS ClientHello, nothing more
+    assert b"PRI * HTTP/2.0" not in outsider.received                   # no gRPC (HTTP/2) ever began
+
+
+async def _with_insider(insider: pathlib.Path, redis_url: str, outsider: Listener, client) -> list[str]:
+    """Serve TLS with the insider's certificate, plant both records, send users' requests."""
+    from tessera.mtls import links
+    seen: list[str] = []
+
+    class Recording(grpc.aio.ServerInterceptor):
+        async def intercept_service(self, continuation, details):
+            seen.append(details.method)
+            return await continuation(details)
+
+    old = os.environ.get(links.ENV)
+    os.environ[links.ENV] = str(insider)
+    try:
+        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[Recording()])
+        health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+        insider_port = add_port(server, "127.0.0.1", 0)
+    finally:
+        os.environ.pop(links.ENV) if old is None else os.environ.__setitem__(links.ENV, old)
+    await server.start()
+    try:
+        await _plant(redis_url, "tessera:trust", [f"127.0.0.1:{insider_port}", f"127.0.0.1:{outsider.port}"])
+        await asyncio.sleep(2.0)      # the gateway's registry watch picks them up
+        model = client.models.list().data[0].id
+        for _ in range(2):    # at once: the real worker busy, a least-loaded pick goes to the planted ones
+            replies = await asyncio.gather(*(asyncio.to_thread(
+                client.chat.completions.create, model=model, max_tokens=8, temperature=0,
+                messages=[{"role": "user", "content": f"{PROMPT} ({i})"}]) for i in range(8)))
+            assert all(r.choices[0].message.content is not None for r in replies)
+    finally:
+        await server.stop(0)
+    return seen
+
+
+def _answers(client) -> bool:
+    try:
+        return bool(client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=2,
+                                                   messages=[{"role": "user", "content": "hi"}]).choices)
+    except openai.OpenAIError:
+        return False
