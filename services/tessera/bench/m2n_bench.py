@@ -5,7 +5,9 @@ One iteration = every sender dispatches `bytes` to every receiver, every receive
 same bytes back (combine), and the sender has all N replies. Our backends do it with the M2N
 transport; the baseline does the same logical operation as two torch.distributed
 all_to_all_single calls over gloo (the CPU analogue of NCCL). Times are taken on the senders;
-gbps = 2 * bytes * M * N / p50 (all bytes moved by one iteration, both directions).
+gbps = 2 * bytes * M * N / p50 (all bytes moved by one iteration, both directions). Backend
+"tcp" runs as deployments do, over mutual TLS (senders hold attention-node certificates,
+receivers expert-node ones, from a throwaway CA); "tcp-plain" without it, for TLS's cost.
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ SHAPES = [(1, 1), (2, 2), (4, 2)]
 
 def add_args(p) -> None:
     p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
-    p.add_argument("--backends", default="auto", help="comma list of tcp,nixl,gloo (auto: all available)")
+    p.add_argument("--backends", default="auto",
+                   help="comma list of tcp (mutual TLS), tcp-plain, nixl, gloo (auto: all available)")
     p.add_argument("--sizes", default=None, help="comma list of message sizes in bytes")
     p.add_argument("--shapes", default=None, help="comma list of MxN, e.g. 1x1,2x2,4x2")
     p.add_argument("--iters", type=int, default=60)
@@ -32,11 +35,15 @@ def iterations(size: int, iters: int) -> int:
 
 
 def _endpoint(backend: str, role: str, index: int, m: int, n: int, sizes: list[int], iters: int, conn,
-              port: int) -> None:
+              port: int, tls_dir: str | None = None) -> None:
     import torch
     torch.set_num_threads(1)
     if backend == "gloo":
         return _gloo_endpoint(role, index, m, n, sizes, iters, conn, port)
+    from tessera.mtls import ENV
+    if tls_dir and backend == "tcp":
+        os.environ[ENV] = os.path.join(tls_dir, "attention-node" if role == "s" else "expert-node")
+    backend = "tcp" if backend == "tcp-plain" else backend
     from tessera.transport import make_transport
     from tessera.transport.base import COMBINE, DISPATCH, Tag
     senders, receivers = [f"s{i}" for i in range(m)], [f"r{j}" for j in range(n)]
@@ -108,15 +115,20 @@ def _gloo_endpoint(role, index, m, n, sizes, iters, conn, port) -> None:
 
 
 def run_shape(backend: str, m: int, n: int, sizes: list[int], iters: int) -> list[dict]:
+    import tempfile
+
     from tessera.bench.m2n_bench import _endpoint  # picklable by name under spawn
+    from tessera.mtls.certs import write_role_dirs
     ctx = mp.get_context("spawn")
     from tessera.disagg.measure import free_port
     port = free_port()
     pipes, procs = [], []
+    tls = tempfile.TemporaryDirectory(prefix="m2n-tls-")
+    write_role_dirs(tls.name, "bench", ("attention-node", "expert-node"))
     for role, count in (("s", m), ("r", n)):
         for i in range(count):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_endpoint, args=(backend, role, i, m, n, sizes, iters, child, port))
+            proc = ctx.Process(target=_endpoint, args=(backend, role, i, m, n, sizes, iters, child, port, tls.name))
             proc.start()
             pipes.append((f"{role}{i}", parent))
             procs.append(proc)
@@ -136,6 +148,7 @@ def run_shape(backend: str, m: int, n: int, sizes: list[int], iters: int) -> lis
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
+        tls.cleanup()
     rows = []
     for size in sizes:
         times = sorted(t for r in results for t in r[size])
@@ -148,7 +161,7 @@ def run_shape(backend: str, m: int, n: int, sizes: list[int], iters: int) -> lis
 
 def main(a) -> int:
     from tessera.transport import nixl
-    backends = ["tcp", "gloo"] + (["nixl"] if nixl.available() else []) if a.backends == "auto" \
+    backends = ["tcp", "tcp-plain", "gloo"] + (["nixl"] if nixl.available() else []) if a.backends == "auto" \
         else a.backends.split(",")
     sizes = [int(s) for s in a.sizes.split(",")] if a.sizes else SIZES
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")] if a.shapes else SHAPES
@@ -159,7 +172,7 @@ def main(a) -> int:
             rows += run_shape(backend, m, n, sizes, a.iters)
             if not a.json:
                 for r in rows[-len(sizes):]:
-                    print(f"{r['backend']:>5} {m}x{n} {r['bytes']:>9} B  p50 {r['p50_us']:>9.1f} us  "
+                    print(f"{r['backend']:>9} {m}x{n} {r['bytes']:>9} B  p50 {r['p50_us']:>9.1f} us  "
                           f"p99 {r['p99_us']:>9.1f} us  {r['gbps']:>7.3f} Gb/s", flush=True)
     if a.json:
         print(json.dumps(rows, indent=1))
