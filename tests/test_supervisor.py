@@ -1,13 +1,21 @@
 """The restart policy of `tessera up` / `tessera serve`, on tiny fake processes: restarts with
 exponential backoff, giving up on a process that keeps dying (exit 1 only when no replica of a
-serving role is left), draining last-started role first, and SIGKILL after the grace period."""
+serving role is left), giving up at once on one that ends with a configuration error,
+draining last-started role first, and SIGKILL after the grace period. Then through `tessera up`:
+a worker whose port is taken is reported once and not restarted."""
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 import sys
 import threading
 import time
 
+import pytest
+import yaml
+
+from servers import Logged, free_port
 from tessera.deploy.supervisor import Child, Supervisor, SupervisorConfig, stop
 
 FAST = SupervisorConfig(max_restarts=2, restart_window_s=30, restart_backoff_s=0.05, max_restart_backoff_s=0.1,
@@ -20,6 +28,8 @@ def python(code: str) -> list[str]:
 
 CRASH = python("import sys; sys.exit(3)")
 SLEEP = python("import time; time.sleep(60)")
+# What `tessera` ends with on a configuration error (exit_codes.CONFIG_ERROR, sysexits' EX_CONFIG).
+MISCONFIGURED = python("import sys; print('tessera worker: error: no such architecture', file=sys.stderr); sys.exit(78)")
 
 
 def on_sigterm(path, word: str, delay_s: float = 0.0) -> list[str]:
@@ -64,6 +74,28 @@ def test_losing_one_replica_or_a_helper_keeps_the_rest_serving_and_drains_in_ord
     assert children[2].proc.returncode == 0 and children[3].proc.returncode == 0
 
 
+def test_a_configuration_error_is_reported_once_and_ends_the_role_without_a_restart(capsys):
+    children = [Child("worker-0", "worker", MISCONFIGURED), Child("gateway-0", "gateway", SLEEP)]
+    t0 = time.monotonic()
+    assert Supervisor(children, FAST, "tessera up").run() == 1
+    assert time.monotonic() - t0 < 5
+    out, err = capsys.readouterr()
+    assert out.count("worker-0 pid") == 1 and "restarting" not in out
+    assert out.count("giving up on worker-0: it exited with a configuration error (code 78") == 1
+    assert "no worker left; stopping" in out
+    assert children[1].proc.poll() is not None
+
+
+def test_a_misconfigured_replica_is_not_restarted_while_the_others_serve(capsys):
+    children = [Child("worker-0", "worker", MISCONFIGURED), Child("worker-1", "worker", SLEEP)]
+    supervisor = Supervisor(children, FAST, "tessera up")
+    threading.Timer(2.0, supervisor.request_stop).start()
+    assert supervisor.run() == 0
+    out = capsys.readouterr().out
+    assert out.count("worker-0 pid") == 1 and "restarting" not in out and "left; stopping" not in out
+    assert out.count("giving up on worker-0: it exited with a configuration error") == 1
+
+
 def test_stop_kills_what_does_not_exit_within_the_grace_period():
     stubborn = subprocess.Popen(python("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
                                        "print('ready', flush=True)\ntime.sleep(60)"), stdout=subprocess.PIPE, text=True)
@@ -71,3 +103,30 @@ def test_stop_kills_what_does_not_exit_within_the_grace_period():
     t0 = time.monotonic()
     stop([stubborn], timeout_s=0.5)
     assert stubborn.returncode == -9 and time.monotonic() - t0 < 5
+
+
+@pytest.mark.e2e
+def test_up_reports_a_worker_port_in_use_once_and_exits_1(tmp_path):
+    """The worker's start-up fails on its port (bound exclusively): one message naming the
+    port, no restart, and `tessera up` ends with 1 since no worker is left."""
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    taken = holder.getsockname()[1]
+    topology = tmp_path / "taken.yaml"
+    topology.write_text(yaml.safe_dump({
+        "name": "taken", "model": "random:llama", "dtype": "float32",
+        "roles": {"worker": {"replicas": 1, "port": taken, "threads": 1}, "gateway": {"replicas": 1, "port": 1}}}))
+    up = Logged("up", str(topology), "--port", str(free_port()), "--restart-backoff-s", "0.1",
+                env={k: v for k, v in os.environ.items() if k != "REDIS_URL"})
+    try:
+        assert up.proc.wait(timeout=120) == 1
+        up.wait_for("no worker left; stopping", 5)
+        text = "\n".join(up.lines)
+        assert len([line for line in up.lines if "error:" in line and f":{taken}" in line]) == 1, text
+        assert "Traceback" not in text and "usage:" not in text, text
+        assert "restarting" not in text and "(restart 1)" not in text, text
+        assert "giving up on worker-0: it exited with a configuration error" in text, text
+    finally:
+        up.close()
+        holder.close()

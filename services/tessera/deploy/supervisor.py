@@ -3,21 +3,32 @@ restart policy and Kubernetes do.
 
 A process that exits is logged and started again after an exponential backoff, while the
 others keep serving. One that exits more than max_restarts times within restart_window_s is
-given up on and reported; the supervisor stops everything and exits 1 only when no replica of
-a role that serves requests is left (a helper such as Redis is not one). SIGTERM / SIGINT
-drain: roles are stopped last-started first (gateway, then workers, then Redis), each SIGTERMed
-and given shutdown_grace_s to finish its in-flight requests, then SIGKILLed; the exit code is 0.
+given up on and reported; so is, at once, one that ends with a configuration error
+(exit_codes.CONFIG_ERROR), which a restart would only repeat. The supervisor stops everything
+and exits 1 only when no replica of a role that serves requests is left (a helper such as Redis
+is not one). SIGTERM / SIGINT drain: roles are stopped last-started first (gateway, then
+workers, then Redis), each SIGTERMed and given shutdown_grace_s to finish its in-flight
+requests, then SIGKILLed; the exit code is 0.
+
+No child outlives the supervisor, whatever kills it: each child is tied to it before exec (the
+kernel's parent-death signal, SIGTERM, begins its drain) and, being a `tessera` process, ends
+itself once its drain has overrun its grace period with nobody left to SIGKILL it
+(parent_watch.py).
 """
 from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import os
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+
+from tessera import exit_codes
+from tessera.deploy import parent_watch
 
 POLL_S = 0.1
 
@@ -65,14 +76,30 @@ def tessera_argv(args) -> list[str]:
     return [sys.executable, "-m", "tessera.cli", *args]
 
 
-def _die_with_parent() -> None:
-    """In the child: SIGTERM (a drain) if the supervisor itself dies, even by SIGKILL."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))   # PR_SET_PDEATHSIG
+# Looked up here, not in the child: between fork and exec a child of a threaded process may
+# only do little, and dlopen's lock may have been held by another thread at fork.
+_PRCTL = ctypes.CDLL(None).prctl if sys.platform.startswith("linux") else None
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> None:
+    """In the child, before exec: SIGTERM (a drain) when the supervisor dies, even by SIGKILL.
+    The signal is armed only from now on: a supervisor that died since the fork (its pid is no
+    longer our parent's) would never send it, so the child ends here instead of starting.
+    The kernel sends it when the thread that forked exits: only run()'s thread starts children."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def _describe(code: int) -> str:
     return f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
+
+
+def _child_env(child: Child, grace_s: float) -> dict:
+    """Its extra environment, and who its supervisor is (parent_watch.py)."""
+    return {**os.environ, **(child.env or {}), parent_watch.ENV: parent_watch.env_value(grace_s)}
 
 
 class Supervisor:
@@ -86,8 +113,9 @@ class Supervisor:
 
     def _spawn(self, child: Child) -> None:
         # Own session: a Ctrl-C in the terminal reaches only the supervisor, which drains in order.
-        env = {**os.environ, **child.env} if child.env else None
-        child.proc = subprocess.Popen(child.argv, start_new_session=True, preexec_fn=_die_with_parent, env=env)
+        env = _child_env(child, self.config.shutdown_grace_s)
+        child.proc = subprocess.Popen(child.argv, start_new_session=True, env=env,
+                                      preexec_fn=functools.partial(_die_with_parent, os.getpid()))
         again = f" (restart {child.restarts})" if child.restarts else ""
         self.log(f"{child.name} pid {child.proc.pid}{again}")
 
@@ -115,6 +143,11 @@ class Supervisor:
 
     def _exited(self, child: Child, now: float) -> None:
         code, window = child.proc.returncode, self.config.restart_window_s
+        if code == exit_codes.CONFIG_ERROR:
+            child.given_up = True
+            self.log(f"giving up on {child.name}: it exited with a configuration error (code {code}, its "
+                     f"message is above); a restart would fail the same way")
+            return
         child.exits.append(now)
         while child.exits and child.exits[0] < now - window:
             child.exits.popleft()
