@@ -28,14 +28,14 @@ def test_expert_node_refuses_bad_expert_sets_with_a_clear_error():
                         ("3,9", "outside the model's 8 experts")):
         out = subprocess.run([sys.executable, "-m", "tessera.cli", "expert-node", "--model", "random:mixtral",
                               "--experts", spec], capture_output=True, text=True, timeout=300)
-        assert out.returncode == 2 and error in out.stderr and "Traceback" not in out.stderr, out.stderr
+        assert out.returncode == 78 and error in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
 def test_serve_refuses_a_malformed_drafter_before_starting_anything():
     for spec, error in (("self@int2", "unknown draft quantization 'int2'"), ("self:x", "self:K needs an integer K")):
         out = subprocess.run([sys.executable, "-m", "tessera.cli", "serve", "--speculative", spec, "--port", "8399"],
                              capture_output=True, text=True, timeout=120)
-        assert out.returncode == 2 and error in out.stderr and "pid" not in out.stdout + out.stderr, out.stderr
+        assert out.returncode == 78 and error in out.stderr and "pid" not in out.stdout + out.stderr, out.stderr
 
 
 def _parse(*argv: str):

@@ -391,15 +391,17 @@ def build_parser(wanted: set[str] | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tessera import logs
+    from tessera import exit_codes, logs
+    from tessera.deploy import parent_watch
+    parent_watch.watch_from_env()   # first: a supervised process never outlives its supervisor
     logs.setup()
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser({arg for arg in argv if not arg.startswith("-")})
     args = parser.parse_args(argv)
     try:
         return args.fn(args)
-    except ConfigError as e:
-        parser.error(str(e))
+    except ConfigError as e:   # one line, and an exit code a supervisor does not restart
+        return exit_codes.config_error(args.command, str(e))
 
 
 if __name__ == "__main__":

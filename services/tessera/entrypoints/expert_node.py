@@ -10,7 +10,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tessera import mtls
+from tessera import exit_codes, mtls
 from tessera.disagg.control import LinkRefused
 from tessera.disagg.expert_node import ExpertNode
 from tessera.disagg.expert_shard import ExpertShard, expert_set, keep_ffn_share
@@ -97,8 +97,7 @@ def main(model: str, dtype: str, name: str, shard_index: int, shard_count: int, 
     try:
         node = load_expert_node(model, dtype, name, shard_index, shard_count, transport,
                                 advertise=advertise, experts=experts)
-    except ValueError as e:
-        print(f"tessera expert-node: {e}", file=sys.stderr)
-        return 2
+    except ValueError as e:   # a bad expert set or model: the same on every restart
+        return exit_codes.config_error("expert-node", str(e))
     serve(node, host, port, shutdown_grace_s)
     return 0

@@ -12,6 +12,7 @@ import sys
 
 import grpc
 
+from tessera import exit_codes
 from tessera.config import ConfigError, EngineConfig
 from tessera.entrypoints.aio_serve import serve_until_signal
 from tessera.pipeline.control import StageRefused
@@ -95,6 +96,8 @@ def main(config: EngineConfig, stage: StageConfig, host: str, port: int, registr
         finally:
             shard.close()
         return 0
-    except (ConfigError, StageRefused, TransportError, Unavailable, ValueError) as e:
+    except (ConfigError, StageRefused) as e:   # the same on every restart
+        return exit_codes.config_error("pipeline-shard", f"stage {stage.stage}: {e}")
+    except (TransportError, Unavailable, ValueError) as e:   # a peer not there yet: a restart may find it
         print(f"tessera pipeline-shard: stage {stage.stage}: {e}", file=sys.stderr)
         return 2

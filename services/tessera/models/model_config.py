@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tessera.config import ConfigError
+
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
@@ -55,11 +57,11 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
         if arch is None:
-            raise ValueError(f"unsupported architectures {archs}; supported: {sorted(ARCHITECTURES)}")
+            raise ConfigError(f"unsupported architectures {archs}; supported: {sorted(ARCHITECTURES)}")
         rope = cfg.get("rope_parameters") or {}
         scaling = cfg.get("rope_scaling") or rope
         if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
-            raise ValueError(f"rope scaling {scaling} is not supported yet")
+            raise ConfigError(f"rope scaling {scaling} is not supported yet")
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         model_type = cfg.get("model_type", arch)

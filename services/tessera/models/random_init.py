@@ -9,6 +9,7 @@ import pathlib
 import torch
 from safetensors.torch import save_file
 
+from tessera.config import ConfigError
 from tessera.models.default_model import default_tokenizer
 
 _BASE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -33,6 +34,8 @@ CONFIGS = {
 
 
 def random_checkpoint(arch: str, seed: int = 0, **overrides) -> tuple[dict, dict[str, torch.Tensor]]:
+    if arch not in CONFIGS:
+        raise ConfigError(f"random:{arch}: no such random architecture (known: {', '.join(sorted(CONFIGS))})")
     cfg = dict(CONFIGS[arch], **overrides)
     g = torch.Generator().manual_seed(seed)
     h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
