@@ -397,7 +397,10 @@ def main(argv: list[str] | None = None) -> int:
     logs.setup()
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser({arg for arg in argv if not arg.startswith("-")})
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:   # argparse has said what is wrong with the flags
+        return exit_codes.CONFIG_ERROR if e.code == 2 else e.code
     try:
         return args.fn(args)
     except ConfigError as e:   # one line, and an exit code a supervisor does not restart
