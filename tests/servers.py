@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pathlib
 import socket
 import subprocess
 import sys
@@ -231,6 +232,14 @@ class Logged:
         """The pid of the latest start of process NAME."""
         self.wait_for(rf": {name} pid (\d+)")
         return self.pids(name)[-1]
+
+    def redis_url(self) -> str:
+        """The registry URL of the Redis `tessera up` started, with its password: read from that
+        redis-server's config file (private to this user), as an operator on the host could."""
+        url = self.wait_for(r"tessera up: registry (\S+)")[1]
+        conf = pathlib.Path(f"/proc/{self.pid('redis-0')}/cmdline").read_bytes().split(b"\0")[1].decode()
+        password = next(line.split(None, 1)[1].strip() for line in open(conf) if line.startswith("requirepass "))
+        return url.replace("redis://", f"redis://:{password}@", 1)
 
     def pids(self, name: str) -> list[int]:
         """Every pid process NAME has had, in start order."""

@@ -109,7 +109,7 @@ def _ok(url: str) -> bool:
 
 def _registered(up: Logged) -> dict[str, str]:
     from tessera.registry import RedisRegistry
-    redis_url = up.wait_for(r"tessera up: registry (\S+)")[1]
+    redis_url = up.redis_url()
 
     async def roles():
         registry = RedisRegistry(redis_url, prefix="tessera:pipe")

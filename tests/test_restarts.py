@@ -82,7 +82,7 @@ def single(tmp_path_factory):
 
 def _registered(up: Logged, prefix: str = "tessera:single") -> list[str]:
     from tessera.registry import RedisRegistry
-    redis_url = up.wait_for(r"tessera up: registry (\S+)")[1]
+    redis_url = up.redis_url()
 
     async def addresses():
         from tessera.registry import RegistryUnavailable
