@@ -235,9 +235,9 @@ class Logged:
 
     def redis_url(self) -> str:
         """The registry URL of the Redis `tessera up` started, with its password: read from that
-        redis-server's config file (private to this user), as an operator on the host could."""
+        redis-server's config file (private to this user), as the same user on the host could."""
         url = self.wait_for(r"tessera up: registry (\S+)")[1]
-        conf = pathlib.Path(f"/proc/{self.pid('redis-0')}/cmdline").read_bytes().split(b"\0")[1].decode()
+        conf = pathlib.Path(f"/proc/{self.pid('redis-0')}/cwd/redis.conf")    # redis-server runs in up's scratch
         password = next(line.split(None, 1)[1].strip() for line in open(conf) if line.startswith("requirepass "))
         return url.replace("redis://", f"redis://:{password}@", 1)
 
