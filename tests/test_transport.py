@@ -183,3 +183,23 @@ def test_nixl_error_modes_both_deliver(mode):
             ep.close()
     with pytest.raises(ValueError, match="error mode"):
         NixlTransport("bad", error_mode="abort")
+
+
+@NO_NIXL
+def test_nixl_refuses_notifications_from_an_agent_the_control_plane_never_announced():
+    """A stranger that got hold of e's metadata (only ever sent over mutual-TLS control calls)
+    writes and notifies: e delivers nothing from it, and the announced peer still gets through."""
+    make = lambda n: NixlTransport(n, slots=1, capacity_bytes=1 << 16, timeout_s=10)  # noqa: E731
+    e, a, stranger = make("e"), make("a"), make("stranger")
+    try:
+        link(a, e)
+        stranger.connect("e", e.metadata_for("a"))
+        stranger.send("e", Tag(0, 0, 0, DISPATCH), torch.ones(16))
+        with pytest.raises(TransportError):
+            e.recv("stranger", Tag(0, 0, 0, DISPATCH), timeout_s=1)
+        assert e.rejected >= 1
+        a.send("e", Tag(1, 0, 0, DISPATCH), torch.full((16,), 2.0))
+        assert torch.equal(e.recv("a", Tag(1, 0, 0, DISPATCH), timeout_s=5), torch.full((16,), 2.0))
+    finally:
+        for t in (stranger, a, e):
+            t.close()
