@@ -127,6 +127,32 @@ def test_per_key_request_and_token_limits_in_redis(engine, redis):
     assert "tokens per minute" in third.json()["error"]["message"]
 
 
+def test_limits_count_per_key_not_per_name_and_a_stored_zero_is_unlimited(engine, redis):
+    """Two keys may carry one name: each has its own budget. A key stored with rpm 0 is
+    unlimited even where the gateway's default (--rpm) is not; one stored without a limit
+    gets that default."""
+    prefix = f"test-ids-{uuid.uuid4().hex[:8]}"
+
+    async def make_keys():
+        admission = Admission(AdmissionConfig(), redis, prefix)
+        try:
+            return [await admission.add_key(*args) for args in
+                    (("twin", 2), ("twin", 2), ("unlimited", 0, 0), ("default",))]
+        finally:
+            await admission.close()
+    first, second, unlimited, default = asyncio.run(make_keys())
+    app = create_app(LocalWorkerClient(engine), "tiny", admission=Admission(
+        AdmissionConfig(require_key=True, keys_from_redis=True, rpm=1), redis, prefix))
+
+    async def statuses(*keys: str) -> list[int]:     # one event loop: the app's Redis client lives in it
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw", timeout=60) as c:
+            return [(await c.post("/v1/completions", json=BODY, headers={"Authorization": f"Bearer {k}"})).status_code
+                    for k in keys]
+    clear_of_a_minute_boundary(15)
+    assert asyncio.run(statuses(*[first] * 3, *[second] * 3, *[unlimited] * 3, *[default] * 2)) == [
+        200, 200, 429, 200, 200, 429, 200, 200, 200, 200, 429]
+
+
 def _eventually_429(app, auth) -> httpx.Response:
     """Tokens are charged just after a request ends (a task on the app's loop): allow that."""
     for _ in range(20):

@@ -40,3 +40,42 @@ def test_stop_string_cut_and_held_back():
     assert full == "alpha beta " and "".join(deltas) == full
     deltas, full = stream("alpha beta STOP gamma", stop=("STOP",), include=True)
     assert full == "alpha beta STOP"
+
+
+class CountingTokenizer:
+    """The tokenizer, counting decode calls and the token ids they decode."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.calls, self.decoded = tokenizer, 0, 0
+
+    def decode(self, ids, **kwargs):
+        self.calls += 1
+        self.decoded += len(ids)
+        return self.tokenizer.decode(ids, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_special_tokens_and_undecodable_bytes_cost_constant_decoding_per_token():
+    """A legal generation of 1500 special tokens (skipped when decoding) and then 1500 tokens
+    of a lone UTF-8 continuation byte (U+FFFD until valid text follows) used to re-decode its
+    whole undecided tail on every step: about n^2 / 2 token decodes on the engine thread. Now
+    each token costs a bounded number of decoded ids, and the text is still exactly what
+    decoding everything at once gives."""
+    t = tok()
+    special = t.convert_tokens_to_ids("<|im_start|>")
+    byte = next(i for i in range(t.vocab_size) if t.decode([i]) == "\ufffd")   # e.g. the byte 0x80
+    words = t(" the end")["input_ids"]
+    output = t(" Hello")["input_ids"] + [special] * 1500 + words + [byte] * 1500 + words
+    counting = CountingTokenizer(t)
+    d = IncrementalDetokenizer(counting, [1, 2, 3])
+    deltas = []
+    for token in output:
+        d.append(token)
+        deltas.append(d.delta(finished=False))
+    deltas.append(d.delta(finished=True))
+    assert "".join(deltas) == d.text == t.decode(output, skip_special_tokens=True)
+    assert d.text.count("\ufffd") == 1500
+    assert counting.calls <= 2 * len(output) + 2
+    assert counting.decoded <= 40 * len(output), counting.decoded

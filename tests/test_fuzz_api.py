@@ -1,9 +1,9 @@
 """Fuzz the HTTP API (hypothesis): in process against the twin worker, and against the real
 gateway and worker processes of `tessera serve`. Arbitrary JSON, raw bytes, and request-shaped
 bodies with hostile values (negative, huge, wrong types, unknown token ids, stop_token_ids,
-logit_bias, long prompt lists, odd Unicode, NaN) never get a 500; 503 only as back-pressure
-with Retry-After; every refusal is OpenAI error JSON; requests running alongside the fuzzer
-all succeed, and the server answers a normal request afterwards."""
+logit_bias, long prompt lists, odd Unicode, lone surrogates, NaN) never get a 500; 503 only as
+back-pressure with Retry-After; every refusal is OpenAI error JSON; requests running alongside
+the fuzzer all succeed, and the server answers a normal request afterwards."""
 from __future__ import annotations
 
 import asyncio
@@ -61,7 +61,9 @@ json_values = st.recursive(
 wild = st.one_of(st.integers(-2**70, 2**70), st.floats(allow_nan=True, allow_infinity=True),
                  st.text(max_size=30), st.none(), st.booleans(), st.lists(st.integers(-5, 10**6), max_size=5))
 small_or_wild = st.one_of(st.integers(-3, 8), wild)
-text = st.text(alphabet=st.characters(codec="utf-8"), max_size=40)
+# lone UTF-16 surrogates (JSON "\ud800"), and digits that only str.isdigit() takes
+odd = st.sampled_from(["a\ud800b", "\udfff", "\u00b2", "\u0661\u0662", "1_0", "9" * 5000])
+text = st.one_of(st.text(alphabet=st.characters(codec="utf-8"), max_size=40), odd)
 messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool", "x"]),
                                            "content": st.one_of(text, wild)}), max_size=3)
 optional = {"max_tokens": small_or_wild, "temperature": small_or_wild, "top_p": small_or_wild,
@@ -74,7 +76,7 @@ optional = {"max_tokens": small_or_wild, "temperature": small_or_wild, "top_p": 
             "min_tokens": small_or_wild, "ignore_eos": st.booleans(),
             "stop_token_ids": st.one_of(st.lists(st.integers(-5, 2**40), max_size=3), wild),
             "repetition_penalty": small_or_wild, "min_p": small_or_wild}
-token_bias = st.dictionaries(st.integers(-3, 2**40).map(str), st.one_of(st.integers(-150, 150), wild), max_size=3)
+token_bias = st.dictionaries(st.integers(-3, 2**40).map(str) | odd, st.one_of(st.integers(-150, 150), wild), max_size=3)
 prompts = st.one_of(text, st.lists(st.integers(-5, 2**40), max_size=6), st.lists(text, max_size=3),
                     st.lists(st.lists(st.integers(0, 60000), min_size=1, max_size=3), max_size=100), wild)
 shaped = st.fixed_dictionaries(

@@ -213,6 +213,17 @@ def test_two_copies_of_one_prefix_cache_one_and_free_the_other():
     assert kv.allocate("d", 8) and kv.block_tables["d"] == [1, 3, 2, 0]
 
 
+def test_blocks_are_shared_only_under_the_same_cache_salt():
+    kv = KVCacheManager(num_blocks=8, block_size=2)
+    p = [1, 2, 3, 4, 5]
+    for rid, salt in (("a", None), ("b", "tenant-b")):
+        assert kv.allocate(rid, 5, kv.find_cached(rid, p, salt))
+        kv.commit(rid, p, 5, salt)
+    assert kv.block_tables == {"a": [0, 1, 2], "b": [3, 4, 5]} and kv.allocator.num_cached == 4
+    assert kv.find_cached("c", p) == [0, 1] and kv.find_cached("d", p, "tenant-b") == [3, 4]
+    assert kv.find_cached("e", p, "tenant-e") == [] and kv.find_cached("f", p, "") == [0, 1]   # "": none
+
+
 def test_disabled_or_reset_prefix_cache_hits_nothing():
     off = KVCacheManager(num_blocks=4, block_size=2, enable_prefix_caching=False)
     assert off.allocate("a", 4)

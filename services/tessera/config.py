@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 INT32_MAX = 2**31 - 1            # protobuf int32 fields: token ids, top_k, max/min_tokens
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+FLOAT32_MAX = 3.4028234663852886e38   # protobuf float fields: a larger value arrives as inf
+SAMPLING_EPS = 1e-5              # vLLM's _SAMPLING_EPS: a temperature below it is greedy
 
 
 class ConfigError(ValueError):
@@ -22,7 +24,14 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling; temperature 0 means greedy."""
+    """Per-request sampling; a temperature below SAMPLING_EPS (0 included) means greedy, as
+    vLLM's sampler decides: logits divided by 1e-39 overflow to inf (NaN probabilities).
+
+    Ranges are OpenAI's, widened where vLLM accepts more: temperature >= 0 (OpenAI: <= 2),
+    logprobs up to 20 (OpenAI's completions: 5), and vLLM's extensions top_k, min_p,
+    repetition_penalty, min_tokens. top_p 0 (OpenAI's range; vLLM wants > 0) keeps the most
+    likely token. Every float must be finite, and finite as a 32-bit float: it travels to the
+    worker as a protobuf float."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -40,13 +49,18 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100]) pairs
+    cache_salt: str | None = None   # prefix-cache namespace: different salts never share KV blocks
 
     def __post_init__(self) -> None:
         """Everything that can be checked without the model; the worker checks token ids
         against the vocabulary at admission (Engine.add_request)."""
+        floats = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+        for name in floats:
+            if not -FLOAT32_MAX <= getattr(self, name) <= FLOAT32_MAX:    # NaN fails it too
+                raise ConfigError(f"{name} must be a finite number", name)
         checks = [
             (self.temperature >= 0.0, "temperature", "must be >= 0"),
-            (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
+            (0.0 <= self.top_p <= 1.0, "top_p", "must be in [0, 1]"),
             (self.top_k >= 0, "top_k", "must be >= 0 (0 disables it)"),
             (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
@@ -73,10 +87,12 @@ class SamplingParams:
                 raise ConfigError(f"{name} {why}", name)
         if any(not s for s in self.stop):
             raise ConfigError("stop strings must be non-empty", "stop")
+        if self.cache_salt == "":
+            raise ConfigError("cache_salt must be a non-empty string when given", "cache_salt")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,10 @@ Plain Python, no torch: the model runner owns the tensors, this module only hand
 A token at position p of a request lives in slot block_table[p // block_size] * block_size
 + p % block_size of every layer's cache.
 
+A request's cache_salt (vLLM's) is mixed into its first block's parent, so requests with
+different salts never share a block, and usage.cached_tokens tells no caller what a caller
+of another salt sent.
+
 Invariant: a block is written only while it is private (reference count 1) and has no hash.
 A block gets its hash only once every token in it is computed (commit), is shared only
 through its hash, and a request writes only positions at or past its num_computed_tokens, so
@@ -127,7 +131,8 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  salt: bytes = b"") -> None:
         """salt: mixed into every block hash (nothing needs it while a worker serves one model;
-        it would keep two models' or tenants' blocks apart if they ever shared a cache)."""
+        it would keep two models' blocks apart if they ever shared a cache). Tenants are kept
+        apart per request, by the cache_salt find_cached and commit take."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.allocator = BlockAllocator(num_blocks)
@@ -152,14 +157,16 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def find_cached(self, request_id: str, token_ids: Sequence[int]) -> list[int]:
+    def find_cached(self, request_id: str, token_ids: Sequence[int], cache_salt: str | None = None) -> list[int]:
         """The cached blocks holding the longest run of the request's leading full blocks, at
         most (len(token_ids) - 1) // block_size of them: the last token is always computed
-        (its logits are sampled), so the request's first write lands past every shared block."""
+        (its logits are sampled), so the request's first write lands past every shared block.
+        Only blocks cached under the same cache_salt match."""
         if not self.enable_prefix_caching:
             return []
         found: list[int] = []
-        for block_hash in self._block_hashes(request_id, token_ids, (len(token_ids) - 1) // self.block_size):
+        count = (len(token_ids) - 1) // self.block_size
+        for block_hash in self._block_hashes(request_id, token_ids, count, cache_salt):
             block = self.allocator.lookup(block_hash)
             if block is None:
                 break
@@ -193,9 +200,10 @@ class KVCacheManager:
             table.append(self.allocator.allocate())
         return True
 
-    def commit(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+    def commit(self, request_id: str, token_ids: Sequence[int], num_computed: int,
+               cache_salt: str | None = None) -> None:
         """The request's first num_computed tokens have their KV written: cache its full blocks
-        among them, so later requests can share them."""
+        among them (under its cache_salt, as find_cached), so later requests can share them."""
         table = self.block_tables.get(request_id)
         if not self.enable_prefix_caching or table is None:
             return
@@ -203,7 +211,7 @@ class KVCacheManager:
         done = self._committed.get(request_id, 0)
         if full <= done:
             return
-        hashes = self._block_hashes(request_id, token_ids, full)
+        hashes = self._block_hashes(request_id, token_ids, full, cache_salt)
         for i in range(done, full):
             self.allocator.cache(table[i], hashes[i])
         self._committed[request_id] = full
@@ -227,8 +235,17 @@ class KVCacheManager:
         self._hashes.pop(request_id, None)
         self._committed.pop(request_id, None)
 
-    def _block_hashes(self, request_id: str, token_ids: Sequence[int], count: int) -> list[bytes]:
+    def _block_hashes(self, request_id: str, token_ids: Sequence[int], count: int,
+                      cache_salt: str | None) -> list[bytes]:
         hashes = self._hashes.get(request_id, [])
         if len(hashes) < count:
-            hashes = self._hashes[request_id] = block_hashes(token_ids, self.block_size, count, self._root, hashes)
+            parent = self._salted_root(cache_salt) if not hashes else b""    # only block 0 uses it
+            hashes = self._hashes[request_id] = block_hashes(token_ids, self.block_size, count, parent, hashes)
         return hashes[:count]
+
+    def _salted_root(self, cache_salt: str | None) -> bytes:
+        if not cache_salt:
+            return self._root
+        # a block hash's input starts with a 32-byte hash, never with this tag: no salt can
+        # make its root equal some unsalted block's hash and join that chain
+        return hashlib.sha256(b"tessera-cache-salt" + self._root + cache_salt.encode()).digest()

@@ -1,10 +1,13 @@
 """OpenAI's error envelope: {"error": {"message", "type", "param", "code"}} with its status."""
 from __future__ import annotations
 
+import re
+
 from fastapi.responses import JSONResponse
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+_MEMBER = re.compile(r"[a-z-]+\[.*\]$")
 
 
 class APIError(Exception):
@@ -31,7 +34,9 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
     err = errors[0]
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    # pydantic names the union member that failed ("function-after[_unicode(), str]"): not the
+    # caller's business; a dict key it names is the caller's own text, so it is cut short
+    loc = [str(p)[:32] for p in err.get("loc", ()) if p != "body" and not _MEMBER.match(str(p))]
     if err.get("type") == "json_invalid":
         return f"request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}", None
     param = loc[0] if loc else None

@@ -1,15 +1,43 @@
 """OpenAI request -> Tessera SamplingParams and GenerateInputs (one per prompt x n)."""
 from __future__ import annotations
 
+import hashlib
+import re
+from dataclasses import dataclass
+
 from tessera.config import INT32_MAX, ConfigError, SamplingParams
 from tessera.openai_api.errors import APIError
 from tessera.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from tessera.seeds import choice_seed
 from tessera.worker_api import GenerateInput
 
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")     # ASCII digits only: int() also takes "١٢", "1_0"
+
+
+@dataclass(frozen=True)
+class RequestRules:
+    """What the gateway allows one request (admission.py builds it from its config and the
+    caller's key): caps on lists a body of max_body_bytes could otherwise fill with hundreds of
+    thousands of entries, each costing engine time on every step; and the tenant whose own
+    prefix-cache namespace the request uses (None: the caller's cache_salt, or none, as sent)."""
+
+    max_messages: int = 2048
+    max_logit_bias: int = 300          # OpenAI's cap
+    max_stop_token_ids: int = 1024
+    tenant: str | None = None
+
+
+def cache_salt(tenant: str | None, salt: str | None) -> str | None:
+    """The salt the worker gets: with a tenant, a digest of (tenant, the caller's salt), so a
+    caller can neither share blocks with another tenant nor learn the tenant from the salt."""
+    if tenant is None:
+        return salt
+    return hashlib.sha256(f"tessera-cache-salt\0{tenant}\0{salt or ''}".encode()).hexdigest()
+
 
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
-                    logprobs: int | None, seed: int | None) -> SamplingParams:
+                    logprobs: int | None, seed: int | None, rules: RequestRules = RequestRules()) -> SamplingParams:
+    _check_caps(req, rules)
     try:
         return SamplingParams(
             temperature=1.0 if req.temperature is None else float(req.temperature),
@@ -21,22 +49,32 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: 
             seed=seed, stop=req.stop_list(), stop_token_ids=tuple(req.stop_token_ids or ()),
             max_tokens=max_tokens, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
             logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
-            logit_bias=_logit_bias(req.logit_bias))
+            logit_bias=_logit_bias(req.logit_bias), cache_salt=cache_salt(rules.tenant, req.cache_salt))
     except ConfigError as e:
         raise APIError(400, str(e), param=e.param) from e
+
+
+def _check_caps(req: ChatCompletionRequest | CompletionRequest, rules: RequestRules) -> None:
+    for name, items, cap in (("logit_bias", req.logit_bias, rules.max_logit_bias),
+                             ("stop_token_ids", req.stop_token_ids, rules.max_stop_token_ids)):
+        if items is not None and len(items) > cap:
+            raise APIError(400, f"{name} has {len(items)} entries; at most {cap} are allowed", name)
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     """OpenAI's {"token id": bias} map as sorted (id, bias) pairs; ranges are SamplingParams'."""
     pairs = []
     for key, value in (bias or {}).items():
-        if not key.strip().isdigit():
+        if not _TOKEN_ID.fullmatch(key.strip()):
             raise ConfigError(f"logit_bias keys must be token ids, got {key[:32]!r}", "logit_bias")
         pairs.append((int(key), float(value)))
     return tuple(sorted(pairs))
 
 
-def chat_inputs(req: ChatCompletionRequest, request_id: str) -> list[GenerateInput]:
+def chat_inputs(req: ChatCompletionRequest, request_id: str, rules: RequestRules = RequestRules()
+                ) -> list[GenerateInput]:
+    if len(req.messages) > rules.max_messages:
+        raise APIError(400, f"{len(req.messages)} messages; at most {rules.max_messages} are allowed", "messages")
     if req.tools:
         raise APIError(400, "tools are not supported by this server yet", "tools")
     if req.response_format and req.response_format.get("type") not in (None, "text"):
@@ -46,11 +84,12 @@ def chat_inputs(req: ChatCompletionRequest, request_id: str) -> list[GenerateInp
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     messages = tuple((m.role, m.text()) for m in req.messages)
-    return [GenerateInput(f"{request_id}-{j}", _params(req, max_tokens, logprobs, j),
+    return [GenerateInput(f"{request_id}-{j}", _params(req, max_tokens, logprobs, j, rules),
                           messages=messages) for j in range(req.n)]
 
 
-def completion_inputs(req: CompletionRequest, request_id: str, max_choices: int) -> list[GenerateInput]:
+def completion_inputs(req: CompletionRequest, request_id: str, max_choices: int,
+                      rules: RequestRules = RequestRules()) -> list[GenerateInput]:
     """One input per prompt and choice; more than max_choices of them is refused (each is a
     whole generation, counted as such by admission)."""
     if req.suffix:
@@ -66,7 +105,7 @@ def completion_inputs(req: CompletionRequest, request_id: str, max_choices: int)
     inputs = []
     for i, prompt in enumerate(prompts):
         for j in range(req.n):
-            params = _params(req, req.max_tokens, req.logprobs, j)
+            params = _params(req, req.max_tokens, req.logprobs, j, rules)
             rid = f"{request_id}-{i * req.n + j}"
             if isinstance(prompt, str):
                 inputs.append(GenerateInput(rid, params, text=prompt))
@@ -89,10 +128,10 @@ def _prompts(prompt) -> list:
     return list(prompt)
 
 
-def _params(req, max_tokens: int | None, logprobs: int | None, j: int) -> SamplingParams:
+def _params(req, max_tokens: int | None, logprobs: int | None, j: int, rules: RequestRules) -> SamplingParams:
     """max_tokens None means up to the context (the worker subtracts the prompt length);
     choice j of n draws from its own seed (seeds.choice_seed) so seeded choices differ."""
     if req.seed is not None and not -2**63 <= req.seed < 2**63:
         raise APIError(400, "seed must fit in 64 bits", "seed")
     seed = None if req.seed is None else choice_seed(req.seed, j)
-    return sampling_params(req, max_tokens, logprobs, seed)
+    return sampling_params(req, max_tokens, logprobs, seed, rules)

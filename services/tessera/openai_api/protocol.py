@@ -1,13 +1,40 @@
 """Request bodies of /v1/chat/completions and /v1/completions (pydantic, strict scalar types:
-"5" is not a number here, as in OpenAI's API). Unknown fields are ignored, as vLLM does."""
+"5" is not a number here, as in OpenAI's API). Unknown fields are ignored, as vLLM does.
+
+Hostile values stop here as a 400 naming the field: a number must be finite (JSON's NaN and
+Infinity, or an integer too large for a float, are refused), and a string must be valid
+Unicode (a lone UTF-16 surrogate such as "\\ud800" cannot be encoded for the tokenizer or the
+worker's gRPC request). Ranges are SamplingParams' (config.py); list caps are the gateway's
+(params.RequestRules)."""
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import AfterValidator, BaseModel, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-Number = Union[StrictFloat, StrictInt]
-Stop = Union[StrictStr, Annotated[list[StrictStr], Field(max_length=16)], None]
+
+def _finite(value: float | int) -> float:
+    try:
+        value = float(value)
+    except OverflowError:
+        raise ValueError("Input should be a finite number") from None
+    if not math.isfinite(value):
+        raise ValueError("Input should be a finite number")
+    return value
+
+
+def _unicode(value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("Input should be valid Unicode (it holds a lone UTF-16 surrogate)") from None
+    return value
+
+
+Number = Annotated[Union[StrictFloat, StrictInt], AfterValidator(_finite)]
+Text = Annotated[StrictStr, AfterValidator(_unicode)]
+Stop = Union[Text, Annotated[list[Text], Field(max_length=16)], None]
 
 
 class StreamOptions(BaseModel):
@@ -16,12 +43,12 @@ class StreamOptions(BaseModel):
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: StrictStr
+    text: Text
 
 
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[StrictStr, list[TextPart], None] = None
+    content: Union[Text, list[TextPart], None] = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -32,7 +59,7 @@ class ChatMessage(BaseModel):
 class SamplingFields(BaseModel):
     """Fields both endpoints share, OpenAI's and the vLLM extensions."""
 
-    model: StrictStr
+    model: Text
     temperature: Number | None = None
     top_p: Number | None = None
     n: StrictInt = Field(1, ge=1, le=16)
@@ -42,7 +69,7 @@ class SamplingFields(BaseModel):
     presence_penalty: Number | None = Field(None, ge=-2, le=2)
     frequency_penalty: Number | None = Field(None, ge=-2, le=2)
     seed: StrictInt | None = None
-    user: StrictStr | None = None
+    user: Text | None = None
     top_k: StrictInt | None = None
     min_p: Number | None = None
     repetition_penalty: Number | None = None
@@ -50,7 +77,10 @@ class SamplingFields(BaseModel):
     ignore_eos: StrictBool = False
     min_tokens: StrictInt = Field(0, ge=0)
     include_stop_str_in_output: StrictBool = False
-    logit_bias: dict[StrictStr, Number] | None = None   # token id (as a string) -> bias in [-100, 100]
+    logit_bias: dict[Text, Number] | None = None   # token id (as a string) -> bias in [-100, 100]
+    # vLLM's: requests with different salts never share prefix-cache blocks (nor learn, from
+    # usage.prompt_tokens_details.cached_tokens, what the other sent)
+    cache_salt: Annotated[StrictStr, Field(min_length=1), AfterValidator(_unicode)] | None = None
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -69,9 +99,9 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+    prompt: Union[Text, list[Text], list[StrictInt], list[list[StrictInt]]]
     max_tokens: StrictInt | None = Field(16, ge=1)
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
     echo: StrictBool = False
-    suffix: StrictStr | None = None
+    suffix: Text | None = None
     best_of: StrictInt | None = None

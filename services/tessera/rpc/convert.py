@@ -23,7 +23,8 @@ def sampling_to_proto(sp: SamplingParams) -> common_pb2.SamplingParams:
         repetition_penalty=sp.repetition_penalty, stop=list(sp.stop),
         stop_token_ids=list(sp.stop_token_ids), max_tokens=sp.max_tokens or 0, min_tokens=sp.min_tokens,
         ignore_eos=sp.ignore_eos, logprobs=-1 if sp.logprobs is None else sp.logprobs,
-        include_stop_str_in_output=sp.include_stop_str_in_output, logit_bias=dict(sp.logit_bias))
+        include_stop_str_in_output=sp.include_stop_str_in_output, logit_bias=dict(sp.logit_bias),
+        cache_salt=sp.cache_salt or "")
     if sp.seed is not None:
         msg.seed = sp.seed
     return msg
@@ -39,7 +40,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         min_tokens=msg.min_tokens, ignore_eos=msg.ignore_eos,
         logprobs=None if msg.logprobs < 0 else msg.logprobs,
         include_stop_str_in_output=msg.include_stop_str_in_output,
-        logit_bias=tuple(sorted(msg.logit_bias.items())))
+        logit_bias=tuple(sorted(msg.logit_bias.items())), cache_salt=msg.cache_salt or None)
 
 
 def generate_request_to_proto(req: GenerateInput) -> worker_pb2.GenerateRequest:

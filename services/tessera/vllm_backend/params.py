@@ -17,6 +17,8 @@ from tessera.seeds import draw_seed
 from tessera.worker_api import (ContextLengthExceeded, InternalError, InvalidRequest, Saturated, Unavailable,
                                 WorkerError)
 
+_TINY_TOP_P = 1e-6
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -62,13 +64,23 @@ def to_vllm(s: SamplingParams, done: int = 0):
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.sampling_params import RequestOutputKind
     seed = s.seed if s.seed is None or not done else draw_seed(s.seed, done)
+    # Tessera's greedy is any temperature below SAMPLING_EPS; vLLM would raise one in (0, 0.01)
+    # to 0.01 and sample. top_p 0 (OpenAI's range) keeps the most likely token; vLLM wants > 0.
     return VllmSamplingParams(
-        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        temperature=0.0 if s.greedy else s.temperature, top_p=max(s.top_p, _TINY_TOP_P), top_k=s.top_k,
+        min_p=s.min_p, presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         repetition_penalty=s.repetition_penalty, seed=seed, stop_token_ids=list(s.stop_token_ids),
         ignore_eos=s.ignore_eos, max_tokens=s.max_tokens - done, min_tokens=max(0, s.min_tokens - done),
         logprobs=s.logprobs, logit_bias=dict(s.logit_bias) or None,
         output_kind=RequestOutputKind.DELTA, detokenize=False)
+
+
+def vllm_prompt(token_ids: list[int], s: SamplingParams):
+    """vLLM's TokensPrompt, with the request's cache_salt (vLLM mixes it into the prefix cache's
+    first block hash, as Tessera's KV cache does)."""
+    from vllm.inputs import TokensPrompt
+    salt = {"cache_salt": s.cache_salt} if s.cache_salt else {}
+    return TokensPrompt(prompt_token_ids=token_ids, **salt)
 
 
 def as_worker_error(e: Exception) -> WorkerError:

@@ -4,19 +4,26 @@
 2. API key (optional), before any validation or model lookup, so that a caller without a key
    learns nothing about the API: `Authorization: Bearer KEY`; keys are kept only as SHA-256
    digests, from the command line / environment or, with keys_from_redis, from Redis
-   (`{prefix}:apikey:{sha256}` = JSON {"name", "rpm", "tpm"}, written by `tessera keys add`);
+   (`{prefix}:apikey:{sha256}` = JSON {"name", "rpm", "tpm"}, written by `tessera keys add`;
+   a limit of 0 is "unlimited", a missing one the gateway's default);
    a missing or unknown key -> 401. Unknown keys are cached negatively in a bounded LRU, and a
    client address with too many failed attempts a minute gets 429 (the X-Forwarded-For address
    only when the direct peer is a configured trusted proxy);
 3. per-key limits: requests and tokens per minute, counted atomically in Redis (one Lua script
    per request: check both counters, then count the request's generations) -> 429 with
-   Retry-After; tokens are charged when the request ends (prompt + completion of every choice);
+   Retry-After; tokens are charged when the request ends (prompt + completion of every choice).
+   Counters are kept per key (its digest), not per name: names are labels, and two keys may
+   share one;
 4. the gateway's own bound: at most max_inflight generations in flight (a request with n
    choices or several prompts counts each) -> 503 with Retry-After; past the workers' bounded
    queues they answer Saturated, also 503 with Retry-After.
 
 With Redis down, known keys stay valid (last lookup cached) and limits are not enforced
 (fail open), so a registry outage never fails requests; unknown keys get 503, not 401.
+
+rules(key) gives the request parsing (openai_api.params) the caps on a body's lists and, with
+cache_salt_by_key, the key's prefix-cache namespace: the prefix cache is shared by every
+caller, and cached_tokens would otherwise tell one tenant what another sent.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from tessera.openai_api.errors import APIError
+from tessera.openai_api.params import RequestRules
 
 log = logging.getLogger("tessera.admission")
 WINDOW_S = 60
@@ -59,9 +67,15 @@ def new_key() -> str:
 
 @dataclass(frozen=True)
 class KeyInfo:
-    name: str
+    name: str           # a label: not unique
     rpm: int = 0        # requests per minute; 0: unlimited
     tpm: int = 0        # tokens per minute; 0: unlimited
+    id: str = ""        # the key's SHA-256 (what Redis stores it under); "" only in a batch job
+                        # recorded before keys had ids: its counters are then its name's
+
+    @property
+    def counter_id(self) -> str:
+        return self.id or f"name:{self.name}"
 
 
 @dataclass(frozen=True)
@@ -77,6 +91,10 @@ class AdmissionConfig:
     auth_failures_per_min: int = 30        # failed key attempts per client address, then 429
     trusted_proxies: tuple[str, ...] = ()  # peers whose X-Forwarded-For names the client
     key_cache_size: int = 10000            # known and unknown keys remembered (LRU)
+    max_messages: int = RequestRules.max_messages               # chat messages one request may send
+    max_logit_bias: int = RequestRules.max_logit_bias           # logit_bias entries one request may send
+    max_stop_token_ids: int = RequestRules.max_stop_token_ids   # stop_token_ids one request may send
+    cache_salt_by_key: bool = True         # with API keys: each key its own prefix-cache namespace
 
 
 class Admission:
@@ -84,7 +102,7 @@ class Admission:
         self.config, self.prefix = config, prefix
         self.inflight = 0
         self.rejected = {"413": 0, "401": 0, "429": 0, "503": 0}
-        self._static = {d: KeyInfo(f"key-{d[:8]}", config.rpm, config.tpm) for d in config.key_digests}
+        self._static = {d: KeyInfo(f"key-{d[:8]}", config.rpm, config.tpm, d) for d in config.key_digests}
         self._keys: OrderedDict[str, tuple[KeyInfo | None, float]] = OrderedDict()   # Redis lookups (LRU)
         self._failures: OrderedDict[str, tuple[int, float]] = OrderedDict()  # address -> (count, window)
         self.redis = None
@@ -114,6 +132,13 @@ class Admission:
                 self._remember(self._failures, client, (count + 1 if now - window < WINDOW_S else 1,
                                                         window if now - window < WINDOW_S else now))
             raise
+
+    def rules(self, key: KeyInfo | None) -> RequestRules:
+        """The caps on a request's lists, and its prefix-cache tenant: the key's id when
+        cache_salt_by_key (the worker sees only a digest of it, params.cache_salt)."""
+        c = self.config
+        tenant = key.counter_id if key is not None and c.cache_salt_by_key else None
+        return RequestRules(c.max_messages, c.max_logit_bias, c.max_stop_token_ids, tenant)
 
     def client_address(self, peer: str | None, forwarded_for: str | None) -> str:
         """The peer, or the X-Forwarded-For client when the peer is a trusted proxy."""
@@ -168,14 +193,18 @@ class Admission:
         info = None
         if raw is not None:
             data = json.loads(raw)
-            info = KeyInfo(data.get("name", d[:8]), int(data.get("rpm") or self.config.rpm),
-                           int(data.get("tpm") or self.config.tpm))
+            info = KeyInfo(data.get("name", d[:8]), self._limit(data, "rpm"), self._limit(data, "tpm"), d)
         self._remember(self._keys, d, (info, time.monotonic() + KEY_CACHE_S))
         return info
 
+    def _limit(self, data: dict, name: str) -> int:
+        """A stored limit: 0 is unlimited; absent (null) is the gateway's default."""
+        value = data.get(name)
+        return getattr(self.config, name) if value is None else int(value)
+
     def _window_keys(self, key: KeyInfo) -> tuple[list[str], float]:
         window = int(time.time() // WINDOW_S)
-        base = f"{self.prefix}:limit:{key.name}:{window}"
+        base = f"{self.prefix}:limit:{key.counter_id}:{window}"
         return [f"{base}:requests", f"{base}:tokens"], WINDOW_S - time.time() % WINDOW_S
 
     async def _check_limits(self, key: KeyInfo, cost: int) -> None:
@@ -203,8 +232,9 @@ class Admission:
         except Exception as e:
             log.warning("token accounting failed: %s", e)
 
-    async def add_key(self, name: str, rpm: int = 0, tpm: int = 0) -> str:
-        """Store a new key's digest with its limits; returns the key (shown once, never stored)."""
+    async def add_key(self, name: str, rpm: int | None = None, tpm: int | None = None) -> str:
+        """Store a new key's digest with its limits (0: unlimited; None: the gateway's
+        default); returns the key (shown once, never stored)."""
         key = new_key()
         await self.redis.set(f"{self.prefix}:apikey:{digest(key)}", json.dumps({"name": name, "rpm": rpm, "tpm": tpm}))
         return key
