@@ -145,8 +145,7 @@ class Engine:
         arrival_time: when the worker had it tokenized (time.monotonic(); default: now)."""
         request_id = request_id or f"req-{next(self._ids)}"
         resume = resume or Resume()
-        # A resumed request's output so far is part of its max_tokens, not more prompt: its
-        # limits are the ones its first worker resolved over the prompt alone.
+        # a resumed request's output so far counts toward max_tokens: limits are the prompt's alone
         sampling = self.resolve(len(prompt_token_ids), sampling)
         if len(resume.output_token_ids) >= sampling.max_tokens:
             raise ConfigError(f"resume: {len(resume.output_token_ids)} tokens already generated, "
@@ -245,12 +244,15 @@ class Engine:
         return outputs
 
     def _sample_rows(self, requests: list[Request], logits: torch.Tensor) -> list[RequestOutput]:
+        """Sample the rows as one batch, then postprocess each row exactly once (a row whose
+        postprocessing raises fails alone). Validation should make sampling's failure
+        unreachable; if the batch's still raises, its rows are sampled one by one."""
         try:
             result = sample(logits, self._sampling_batch(requests), self._default_generator)
-            return [self._postprocess(r, i, result) for i, r in enumerate(requests)]
-        except Exception:   # validation should make this unreachable; if not, isolate the row
+        except Exception:
             log.exception("sampling a batch of %d failed; sampling its rows one by one", len(requests))
             return [self._sample_alone(r, logits[i:i + 1]) for i, r in enumerate(requests)]
+        return [self._postprocess(r, i, result) for i, r in enumerate(requests)]
 
     def _verify(self, entry: ScheduledRequest, logits: torch.Tensor) -> RequestOutput:
         """One request's draft tree, verified by spec/acceptance.accept: each node's token is
@@ -314,18 +316,23 @@ class Engine:
                 log.warning("request %s: draft finish failed (%s)", request_id, e)
 
     def _sample_alone(self, request: Request, logits: torch.Tensor) -> RequestOutput:
-        """One row's sampling on its own (after the batch's failed, or a tree node): a row
-        that raises fails alone."""
+        """One row sampled and postprocessed on its own (a tree node, or after the batch's
+        sampling failed): it fails alone."""
         try:
             result = sample(logits, self._sampling_batch([request]), self._default_generator)
         except Exception as e:
-            log.exception("request %s: sampling failed", request.request_id)
-            self.abort(request.request_id)
-            return RequestOutput(request.request_id, [], "", [], True, "abort", request.num_prompt_tokens,
-                                 request.num_output_tokens, error=f"sampling failed: {type(e).__name__}: {e}",
-                                 accepted_tokens=request.accepted_tokens, rejected_tokens=request.rejected_tokens,
-                                 cached_tokens=max(request.num_cached_tokens, 0))
+            return self._fail(request, "sampling", e)
         return self._postprocess(request, 0, result)
+
+    def _fail(self, request: Request, what: str, e: Exception) -> RequestOutput:
+        """End one request that raised inside a step (the batch's others go on): abort it and
+        return its final output carrying the error (the client gets a 500)."""
+        log.exception("request %s: %s failed", request.request_id, what)
+        self.abort(request.request_id)
+        return RequestOutput(request.request_id, [], "", [], True, "abort", request.num_prompt_tokens,
+                             request.num_output_tokens, error=f"{what} failed: {type(e).__name__}: {e}",
+                             accepted_tokens=request.accepted_tokens, rejected_tokens=request.rejected_tokens,
+                             cached_tokens=max(request.num_cached_tokens, 0))
 
     def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
         banned = []
@@ -340,6 +347,14 @@ class Engine:
             banned_ids=banned)
 
     def _postprocess(self, request: Request, row: int, result: SampleResult) -> RequestOutput:
+        """Row `row` of a sample as the request's next token (detokenized, stop-checked, with
+        logprobs); a request whose postprocessing raises fails alone."""
+        try:
+            return self._append_token(request, row, result)
+        except Exception as e:
+            return self._fail(request, "postprocessing", e)
+
+    def _append_token(self, request: Request, row: int, result: SampleResult) -> RequestOutput:
         token = result.token_ids[row]
         request.append_output(token)
         detok = self._detok[request.request_id]
