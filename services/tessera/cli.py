@@ -209,8 +209,8 @@ def _keys_add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("name")
     p.add_argument("--registry", default=os.environ.get("TESSERA_REGISTRY"), required=not os.environ.get("TESSERA_REGISTRY"))
     p.add_argument("--registry-prefix", default="tessera")
-    p.add_argument("--rpm", type=int, default=0)
-    p.add_argument("--tpm", type=int, default=0)
+    p.add_argument("--rpm", type=int, default=None, help="requests per minute (0: unlimited; default: the gateway's --rpm)")
+    p.add_argument("--tpm", type=int, default=None, help="tokens per minute (0: unlimited; default: the gateway's --tpm)")
 
 
 def _render_args(p: argparse.ArgumentParser) -> None:

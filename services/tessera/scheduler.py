@@ -107,7 +107,7 @@ class Scheduler:
         """Blocks for a waiting request: its cached prefix, shared (num_computed_tokens moves
         past it), plus new ones for the tokens it computes now, which it returns; None, with
         nothing changed, when they do not fit."""
-        cached = self.kv.find_cached(request.request_id, request.all_token_ids)
+        cached = self.kv.find_cached(request.request_id, request.all_token_ids, request.sampling.cache_salt)
         hit = len(cached) * self.kv.block_size
         n = min(request.num_tokens - hit, budget)
         if not self.kv.allocate(request.request_id, hit + n, cached):
@@ -181,4 +181,5 @@ class Scheduler:
     def advance(self, request: Request, n: int) -> None:
         """n more of the request's tokens have their KV in place: its full blocks join the cache."""
         request.num_computed_tokens += n
-        self.kv.commit(request.request_id, request.all_token_ids, request.num_computed_tokens)
+        self.kv.commit(request.request_id, request.all_token_ids, request.num_computed_tokens,
+                       request.sampling.cache_salt)

@@ -8,6 +8,7 @@ interactive traffic, rate limits and full workers instead of failing its lines.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 from typing import Awaitable, Callable, Iterable
@@ -57,7 +58,10 @@ class LineSender:
             if self.deadline is not None and time.time() >= self.deadline:
                 return expired_record(line)
             try:
-                r = await self.http.post(line.url.removeprefix("/v1"), json=line.body)
+                # as the line was written: NaN and lone surrogates reach the API, which refuses
+                # them (400 for this line); httpx's json= would raise and fail the whole job
+                r = await self.http.post(line.url.removeprefix("/v1"), content=json.dumps(line.body),
+                                         headers={"content-type": "application/json"})
             except httpx.HTTPError as e:
                 failures += 1
                 if failures > TRANSPORT_RETRIES or time.time() >= patience_end:

@@ -21,7 +21,7 @@ from tessera.config import ConfigError, EngineConfig
 from tessera.detokenizer import IncrementalDetokenizer
 from tessera.processor import Processor
 from tessera.request import RequestTimings, Resume
-from tessera.vllm_backend.params import Limits, as_worker_error, resolve, to_vllm
+from tessera.vllm_backend.params import Limits, as_worker_error, resolve, to_vllm, vllm_prompt
 from tessera.worker_api import (GenerateChunk, GenerateInput, Saturated, TokenLogprobInfo, TopToken, Unavailable,
                                 WorkerInfo)
 
@@ -120,9 +120,8 @@ class VllmEngine:
                            "messages" if request.messages else "prompt")
         detok = IncrementalDetokenizer(self.tokenizer, prompt, sampling.stop, sampling.include_stop_str_in_output)
         detok.resume(resume.output_token_ids, resume.text_sent)
-        from vllm.inputs import TokensPrompt
         self.streams += 1
-        stream = self.llm.generate(TokensPrompt(prompt_token_ids=prompt + list(resume.output_token_ids)),
+        stream = self.llm.generate(vllm_prompt(prompt + list(resume.output_token_ids), sampling),
                                    to_vllm(sampling, done), request.request_id)
         try:
             first, count = True, done

@@ -36,6 +36,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from tessera import redis_conn
 from tessera.openai_api.errors import APIError
 from tessera.openai_api.params import RequestRules
 
@@ -107,8 +108,7 @@ class Admission:
         self._failures: OrderedDict[str, tuple[int, float]] = OrderedDict()  # address -> (count, window)
         self.redis = None
         if redis_url:
-            import redis.asyncio as redis
-            self.redis = redis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+            self.redis = redis_conn.connect(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
             self._admit = self.redis.register_script(_ADMIT)
 
     def reject(self, status: int, message: str, code: str, retry_after: float | None = None) -> APIError:

@@ -210,7 +210,7 @@ def _add_openai_routes(app: FastAPI, client: WorkerClient, metrics: GatewayMetri
     async def chat(body: ChatCompletionRequest, request: Request):
         await check_model(body.model)
         rid = request.state.request_id
-        inputs = chat_inputs(body, rid)
+        inputs = chat_inputs(body, rid, admission.rules(getattr(request.state, "api_key", None)))
         shape = StreamShape(f"chatcmpl-{rid}", model_name, True, _usage(body), body.logprobs, body.n)
         choices = await _run(request, inputs, shape if body.stream else None)
         return choices if body.stream else chat_body(rid, model_name, choices, body.logprobs)
@@ -219,7 +219,8 @@ def _add_openai_routes(app: FastAPI, client: WorkerClient, metrics: GatewayMetri
     async def completions(body: CompletionRequest, request: Request):
         await check_model(body.model)
         rid = request.state.request_id
-        inputs = completion_inputs(body, rid, admission.config.max_choices)
+        inputs = completion_inputs(body, rid, admission.config.max_choices,
+                                   admission.rules(getattr(request.state, "api_key", None)))
         logprobs = body.logprobs is not None
         shape = StreamShape(f"cmpl-{rid}", model_name, False, _usage(body), logprobs, body.n)
         choices = await _run(request, inputs, shape if body.stream else None)
