@@ -297,14 +297,15 @@ class Engine:
             try:
                 draft = self.proposer.propose(request.request_id, request.all_token_ids, new, spec.tree_size)
                 request.spec_synced = request.num_tokens
+                if draft is not None:       # whoever drafted, the target checks what it verifies
+                    draft.check_vocab(self.model_config.vocab_size)
             except Exception as e:   # the draft worker is gone or broken: decode plainly
                 if time.monotonic() - self._draft_warned > 10.0:   # one line per 10 s, not per step
                     self._draft_warned = time.monotonic()
                     log.warning("request %s: no draft this round, decoding plainly (%s)", request.request_id, e)
                 self._forget_draft(out.request_id, request)
                 continue
-            vocab = self.model_config.vocab_size
-            request.draft = draft if draft and max(draft.tokens) < vocab and len(draft) < spec.tree_size else None
+            request.draft = draft if draft and len(draft) < spec.tree_size else None
 
     def _forget_draft(self, request_id: str, request: Request | None = None) -> None:
         if request is not None:
@@ -325,8 +326,7 @@ class Engine:
         return self._postprocess(request, 0, result)
 
     def _fail(self, request: Request, what: str, e: Exception) -> RequestOutput:
-        """End one request that raised inside a step (the batch's others go on): abort it and
-        return its final output carrying the error (the client gets a 500)."""
+        """Abort one request that raised inside a step (the others go on); its output carries the error."""
         log.exception("request %s: %s failed", request.request_id, what)
         self.abort(request.request_id)
         return RequestOutput(request.request_id, [], "", [], True, "abort", request.num_prompt_tokens,

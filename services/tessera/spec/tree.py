@@ -41,6 +41,12 @@ class Draft:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ValueError unless every token is an id in [0, vocab_size): the verifier's
+        embedding would fail the whole step on one outside it (a negative id included)."""
+        if any(not 0 <= t < vocab_size for t in self.tokens):
+            raise ValueError(f"a draft token is outside the vocabulary of {vocab_size}")
+
     def depths(self) -> list[int]:
         """Depth of the root and of every token (root 0): RoPE positions are prefix + depth."""
         depth = [0]
