@@ -334,3 +334,35 @@ def test_runner_waits_out_429_and_expires_what_it_cannot_finish(tmp_path):
     assert all(r["response"]["status_code"] == 200 for r in ok)     # no 429 was kept
     assert {r["error"]["code"] for r in expired} == {"batch_expired"}
     assert sorted(r["custom_id"] for r in ok + expired) == sorted(f"x-{i}" for i in range(10))
+
+
+def test_two_keys_of_one_name_see_only_their_own_files(redis, tmp_path):
+    """Key names are labels (`tessera keys add NAME` twice makes two keys): files belong to the
+    key, so one never lists or reads the other's upload."""
+    import asyncio
+
+    from tessera.batch_jobs.config import BatchConfig
+    from tessera.entrypoints.gateway.admission import Admission, AdmissionConfig
+    from tessera.entrypoints.gateway.app import create_app
+    from tessera.entrypoints.gateway.batch_api import BatchAPI
+    from tessera.local_client import LocalWorkerClient
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    admission = Admission(AdmissionConfig(keys_from_redis=True, require_key=True), redis, prefix)
+    a, b = (asyncio.run(Admission(AdmissionConfig(), redis, prefix).add_key("team")) for _ in range(2))
+    batch = BatchAPI(BatchConfig(files_dir=str(tmp_path)), MemoryJobStore())
+    app = create_app(LocalWorkerClient(None), MODEL, admission=admission, batch=batch)
+
+    async def run() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+            up = await http.post("/v1/files", headers={"Authorization": f"Bearer {a}"}, data={"purpose": "batch"},
+                                 files={"file": ("a.jsonl", jsonl([chat_line("a", "hi")]))})
+            assert up.status_code == 200, up.text
+            file_id = up.json()["id"]
+            mine = await http.get("/v1/files", headers={"Authorization": f"Bearer {a}"})
+            theirs = await http.get("/v1/files", headers={"Authorization": f"Bearer {b}"})
+            assert file_id in [f["id"] for f in mine.json()["data"]]
+            assert file_id not in [f["id"] for f in theirs.json()["data"]]
+            r = await http.get(f"/v1/files/{file_id}/content", headers={"Authorization": f"Bearer {b}"})
+            assert r.status_code == 404
+    asyncio.run(run())

@@ -42,7 +42,7 @@ async def _stored(call):
 
 def _owner(request: Request) -> tuple[str, dict | None]:
     key = getattr(request.state, "api_key", None)
-    return (key.name, dataclasses.asdict(key)) if key is not None else ("", None)
+    return (key.counter_id, dataclasses.asdict(key)) if key is not None else ("", None)   # names are not unique
 
 
 def _page(data: list[dict], has_more: bool) -> dict:
