@@ -2,7 +2,8 @@
 output it already has counts toward max_tokens, not as more prompt. Near the context limit,
 near the KV cache's limit and with max_tokens unset, a request whose worker dies mid-stream
 ends exactly as the same request never interrupted: same text, finish_reason and usage,
-through the HTTP API and the official openai client."""
+through the HTTP API and the official openai client. A replica that answers Saturated when the
+stream moves to it is skipped like any other: the stream goes on on the next one."""
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +14,7 @@ from openai import AsyncOpenAI
 
 from test_failover_state import DiesAfter
 from tessera.async_engine import AsyncEngine
-from tessera.config import CacheConfig, EngineConfig
+from tessera.config import CacheConfig, EngineConfig, SchedulerConfig
 from tessera.engine import Engine
 from tessera.entrypoints.gateway.app import create_app
 from tessera.local_client import LocalWorkerClient
@@ -96,3 +97,27 @@ def test_unset_max_tokens_ends_at_the_same_place_after_a_kill(context_bound, kv_
     expected, got = _with_and_without_a_kill(engines, max_tokens=None)
     assert expected[1] == "length" and expected[2]["completion_tokens"] == room
     assert got == expected
+
+
+@pytest.fixture(scope="module")
+def full(tiny_models):
+    """A replica whose queue is always full: every request it gets is Saturated (a 503)."""
+    cfg = EngineConfig(model=tiny_models["llama"], dtype="float32", max_model_len=CONTEXT,
+                       cache=CacheConfig(block_size=4, num_blocks=64), scheduler=SchedulerConfig(max_waiting=0))
+    engine = AsyncEngine(Engine(cfg))
+    yield engine
+    engine.shutdown()
+
+
+def test_a_full_replica_after_the_first_token_is_skipped(context_bound, full):
+    """The worker dies after 5 chunks; the stream moves to a full replica (Saturated), then
+    to a free one, and ends as the same request never interrupted."""
+    clients = {"0": DiesAfter(LocalWorkerClient(context_bound[0]), 5), "1": LocalWorkerClient(full),
+               "2": LocalWorkerClient(context_bound[1])}
+    pool = WorkerPool(clients.__getitem__, list(clients))
+    pool.outstanding.update({"1": 1, "2": 2})      # tried in order: dying, full, free
+    healthy = WorkerPool(lambda a: LocalWorkerClient(context_bound[1]), ["2"])
+    expected = asyncio.run(_complete(healthy, max_tokens=30))
+    assert asyncio.run(_complete(pool, max_tokens=30)) == expected
+    assert pool.routed == {"0": 1, "1": 1, "2": 1}
+    assert expected[1] == "length" and expected[2]["completion_tokens"] == 30

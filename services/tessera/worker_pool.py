@@ -6,10 +6,10 @@ gateway. Failover (as Dynamo's migration): when a worker dies mid-request (Unava
 request goes on on another member with the same compatibility hash, carrying its state (the
 output tokens so far, which count as output for penalties, limits and seeded draws, and how
 much text the client got), so the client's stream continues exactly as it would have. A full
-worker (Saturated) before the first token is skipped without being marked down; an internal
-error (500) is never replayed. If no member is left, the request ends with the error. Membership is static (addresses) or
-follows a registry (watch()); during a registry outage, or when it suddenly lists none, the
-last-known members stay.
+worker (Saturated) is skipped without being marked down, before the first token or after (the
+stream resumes on the next member); an internal error (500) is never replayed. If no member is
+left, the request ends with the error. Membership is static (addresses) or follows a registry
+(watch()); during a registry outage, or when it suddenly lists none, the last-known members stay.
 """
 from __future__ import annotations
 
@@ -77,8 +77,10 @@ class WorkerPool:
                 return
             except Saturated as e:      # back-pressure: try another member, mark nobody down
                 error = e
-                if state.generated:
-                    raise
+                if state.generated:     # a stream resumed here: it goes on on the next member
+                    self.failovers += 1
+                    log.warning("request %s: %s is full (%s); resuming on another worker", request.request_id,
+                                address, e)
             except Unavailable as e:
                 error = e
                 self.down_until[address] = time.monotonic() + DOWN_FOR_S
