@@ -110,6 +110,19 @@ class Unavailable(WorkerError):
     status = 503
 
 
+class Misconfigured(WorkerError):
+    """The worker refuses this gateway for a reason no retry on it fixes (a wrong cluster token
+    or certificate, a role it does not serve, an RPC it lacks: its deployment's configuration):
+    the pool takes it out of rotation and goes on on another replica; with none left, HTTP 503
+    with Retry-After. grpc_status: the status it answered (e.g. "UNAUTHENTICATED")."""
+
+    status = 503
+
+    def __init__(self, message: str, grpc_status: str = "") -> None:
+        super().__init__(message)
+        self.grpc_status = grpc_status
+
+
 class InternalError(WorkerError):
     """The worker is up but failed this request (a bug): 500, and never replayed elsewhere."""
 

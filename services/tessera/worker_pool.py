@@ -7,8 +7,10 @@ request goes on on another member with the same compatibility hash, carrying its
 output tokens so far, which count as output for penalties, limits and seeded draws, and how
 much text the client got), so the client's stream continues exactly as it would have. A full
 worker (Saturated) is skipped without being marked down, before the first token or after (the
-stream resumes on the next member); an internal error (500) is never replayed. If no member is
-left, the request ends with the error. Membership is static (addresses) or follows a registry
+stream resumes on the next member); one that refuses this gateway (Misconfigured: a wrong token
+or certificate, a stale process on its port) is logged and out of rotation for REFUSED_FOR_S;
+an internal error (500) is never replayed. If no member is left, the request ends with the last
+error (a 503 with Retry-After). Membership is static (addresses) or follows a registry
 (watch()); during a registry outage, or when it suddenly lists none, the last-known members stay.
 """
 from __future__ import annotations
@@ -20,11 +22,14 @@ import time
 from typing import AsyncIterator, Callable
 
 from tessera.request import Resume
-from tessera.worker_api import (GenerateChunk, GenerateInput, Saturated, Unavailable, WorkerClient,
-                                WorkerError, WorkerInfo)
+from tessera.worker_api import (GenerateChunk, GenerateInput, Misconfigured, Saturated, Unavailable,
+                                WorkerClient, WorkerError, WorkerInfo)
 
 log = logging.getLogger("tessera.pool")
 DOWN_FOR_S = 5.0    # a member that failed is skipped this long (or until the registry drops it)
+# A member that refuses this gateway (Misconfigured) is skipped longer: only an operator fixes it
+# (a stale process on the port, another deployment's certificate); then it is tried again.
+REFUSED_FOR_S = 60.0
 
 
 class WorkerPool:
@@ -81,6 +86,11 @@ class WorkerPool:
                     self.failovers += 1
                     log.warning("request %s: %s is full (%s); resuming on another worker", request.request_id,
                                 address, e)
+            except Misconfigured as e:
+                error = Unavailable("no worker is available for this model")   # the details are for the log
+                self.down_until[address] = time.monotonic() + REFUSED_FOR_S
+                self.failovers += bool(state.generated)
+                log.error("worker %s out of rotation for %.0f s: %s", address, REFUSED_FOR_S, e)
             except Unavailable as e:
                 error = e
                 self.down_until[address] = time.monotonic() + DOWN_FOR_S

@@ -10,7 +10,21 @@ import grpc
 from tessera import logs, mtls
 from tessera.rpc import convert, options
 from tessera.rpc.v1 import worker_pb2, worker_pb2_grpc
-from tessera.worker_api import GenerateChunk, GenerateInput, InvalidRequest, Unavailable, WorkerError, WorkerInfo
+from tessera.worker_api import (GenerateChunk, GenerateInput, InvalidRequest, Misconfigured, Unavailable, WorkerError,
+                                WorkerInfo)
+
+# Statuses no retry on the same worker fixes: it refuses this gateway (a wrong cluster token or
+# certificate, a role it does not serve, an RPC it lacks). The Worker service never answers a
+# request with one of them (convert.error_to_status), so each means a configuration error.
+_REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+             grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED)
+
+
+def _error(code: grpc.StatusCode, details: str | None) -> WorkerError:
+    """A failed call's status as the WorkerError the gateway acts on."""
+    if code in _REFUSALS:
+        return Misconfigured(f"the worker refuses this gateway ({code.name}: {details})", code.name)
+    return convert.error_from_status(code, details)
 
 
 class GrpcWorkerClient:
@@ -41,17 +55,22 @@ class GrpcWorkerClient:
         """One generation over this client's session (worker.proto's Session): the worker sends
         one message per engine step for all of them, not one per request. A worker of an older
         version has no Session; when a session fails with an error of no known kind before the
-        worker said anything, and the worker turns out to lack it, this client uses one Generate
-        stream per request, as those workers expect."""
+        worker said anything, the worker is asked why (_refusal): one that lacks Session gets one
+        Generate stream per request, as those workers expect; one that refuses this gateway
+        (Misconfigured) is reported as such."""
         if not self._no_session:
             session = self._session_now()
             try:
                 async for chunk in self._over_session(session, request):
                     yield chunk
                 return
-            except WorkerError as e:   # UNIMPLEMENTED, or INTERNAL (see _lacks_session): no known kind
-                if type(e) is not WorkerError or session.answered or not await self._lacks_session():
+            except WorkerError as e:   # UNIMPLEMENTED, or INTERNAL (see _refusal): no known kind
+                unknown = type(e) is WorkerError or isinstance(e, Misconfigured) and e.grpc_status == "UNIMPLEMENTED"
+                refusal = await self._refusal() if unknown and not session.answered else None
+                if refusal is None:
                     raise
+                if refusal.grpc_status != "UNIMPLEMENTED":
+                    raise refusal from None
                 self._no_session = True
         async for chunk in self._over_generate(request):
             yield chunk
@@ -75,16 +94,18 @@ class GrpcWorkerClient:
         finally:
             session.end(request.request_id, abort=not finished)
 
-    async def _lacks_session(self) -> bool:
-        """Asked on a session of its own that sends nothing (a worker with Session ends it at
-        once). The failed session's status cannot tell: gRPC reports a stream whose server
-        answered UNIMPLEMENTED while requests were still being written as INTERNAL."""
+    async def _refusal(self) -> Misconfigured | None:
+        """Whether the worker refuses Session (UNIMPLEMENTED: it lacks it; UNAUTHENTICATED...: it
+        refuses this gateway), asked on a session of its own that sends nothing (a worker with
+        Session ends it at once). The failed session's status cannot tell: gRPC reports a stream
+        whose server refused it while requests were still being written as INTERNAL."""
         try:
             async for _ in self._stub.Session(iter(()), timeout=5):
                 pass
         except grpc.aio.AioRpcError as e:
-            return e.code() == grpc.StatusCode.UNIMPLEMENTED
-        return False
+            refusal = _error(e.code(), e.details())
+            return refusal if isinstance(refusal, Misconfigured) else None
+        return None
 
     async def _over_generate(self, request: GenerateInput) -> AsyncIterator[GenerateChunk]:
         request_id = ("x-request-id", logs.request_id.get() or request.request_id)
@@ -94,7 +115,7 @@ class GrpcWorkerClient:
             while (msg := await self._next(call.read())) is not grpc.aio.EOF:
                 yield convert.chunk_from_proto(msg)
         except grpc.aio.AioRpcError as e:
-            raise convert.error_from_status(e.code(), e.details()) from None
+            raise _error(e.code(), e.details()) from None
         finally:
             call.cancel()  # no-op when finished; aborts the request in the worker otherwise
 
@@ -121,7 +142,7 @@ class GrpcWorkerClient:
             reply = await self._stub.Info(worker_pb2.InfoRequest(), timeout=timeout_s)
             return convert.info_from_proto(reply)
         except grpc.aio.AioRpcError as e:
-            raise convert.error_from_status(e.code(), e.details()) from None
+            raise _error(e.code(), e.details()) from None
 
     async def close(self) -> None:
         if self._loop is not asyncio.get_running_loop():   # made under another loop: gone with it
@@ -189,7 +210,7 @@ class _Session:
         finally:
             self.closed = True
             for q in self._open.values():   # an exception of its own for each request
-                q.put_nowait(convert.error_from_status(*status) if status else Unavailable(reason))
+                q.put_nowait(_error(*status) if status else Unavailable(reason))
 
     def silent_s(self) -> float:
         """Seconds since the worker last sent anything on this session."""
