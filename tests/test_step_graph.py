@@ -1,6 +1,10 @@
-"""Replayed decode steps (tessera_kernels.replay, tessera.step_graph) against the eager engine."""
+"""Replayed steps (tessera_kernels.replay, tessera.step_graph) against the eager engine: a test
+that expects replays fails when it got none (_replays); most compare whole runs with prefix
+caching off, and one compares every replayed step with the eager step with it on (the default),
+after preemption and with prompt chunks beside decode rows."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
@@ -69,7 +73,8 @@ def test_work_paused_inside_a_recording_is_neither_refused_nor_recorded():
 def test_the_first_step_that_packs_the_weights_is_recorded_and_replayed(dtype):
     """A linear packs its weight for the register or AMX tiles on its first product of 5+
     rows; the fresh engine's first such step packs them while it is recorded, is kept (it was
-    refused for it and ran eagerly before), and replays with the eager engine's tokens."""
+    refused for it and ran eagerly before), is checked, and then replays with the eager
+    engine's tokens."""
     engine = Engine(EngineConfig(dtype=dtype, num_threads=2, cache=_NO_PREFIX_CACHE))
     graphs, lin = engine.runner.graphs, engine.runner.model.layers[0].attn.qkv_proj
     x = torch.zeros(8, lin.weight.shape[1], dtype=lin.weight.dtype)
@@ -85,6 +90,19 @@ def test_the_first_step_that_packs_the_weights_is_recorded_and_replayed(dtype):
     assert lin._packed is not None and 8 in graphs.graphs and 8 not in graphs.refusals
     assert _generate(engine, False, [second], [2]) == _generate(engine, True, [second], [2])
     assert graphs.graphs[8].verified and not graphs.dropped
+    third = torch.randint(100, 40000, (8,), generator=g).tolist()
+    with _replays(graphs, 2):      # the prompt's step (8 rows) and its decode step
+        assert _generate(engine, False, [third], [2]) == _generate(engine, True, [third], [2])
+
+
+@contextlib.contextmanager
+def _replays(graphs: step_graph.StepGraphs, expected: int | None = None):
+    """The steps run inside must include replays served by checked graphs: exactly `expected`
+    of them, or at least one (a test of replays that replays nothing passes for nothing)."""
+    before = graphs.replayed_steps
+    yield
+    got = graphs.replayed_steps - before
+    assert got == expected if expected is not None else got > 0, f"{got} replayed steps"
 
 
 def _generate(engine: Engine, eager: bool, prompts, max_tokens) -> list[list[int]]:
@@ -140,7 +158,9 @@ def test_replayed_steps_give_the_eager_engines_tokens(dtype, quantization):
     assert set(graphs.graphs) == expected and all(gr.verified for gr in graphs.graphs.values())
     if replay._executor() is not None:   # replayed by the C loop: every kernel's signature fits it
         assert all(gr.recording._plan is not None for gr in graphs.graphs.values())
-    assert 6 not in graphs.refusals and not graphs.dropped and (graphs.replayed_steps > 30 or 1 not in expected)
+    assert 6 not in graphs.refusals and not graphs.dropped
+    # replays wherever there are graphs (more than 30 with batch 1's), none where there are none
+    assert graphs.replayed_steps > (30 if 1 in expected else 0) if expected else graphs.replayed_steps == 0
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -181,7 +201,8 @@ def test_prompt_steps_are_recorded_and_replayed_like_decode_steps(dtype):
             return list(out.values())
         finally:
             engine.runner.graphs = kept
-    assert joined(False) == joined(False) == joined(False) == joined(True)
+    with _replays(graphs):
+        assert joined(False) == joined(False) == joined(False) == joined(True)
     assert graphs.graphs[32].verified and not graphs.dropped
 
 
@@ -191,7 +212,8 @@ def test_prompts_of_other_lengths_share_one_padded_graph_with_the_eager_bits(dty
     Each length's replay is checked against its eager step bit for bit (the graph's check made
     to run again before each); then a length replayed unchecked writes the same K/V as the eager
     engine, and the padding rows write nothing (the caches are equal everywhere)."""
-    engine = Engine(EngineConfig(dtype=dtype, num_threads=2, cache=_NO_PREFIX_CACHE))
+    # unchecked replays (whatever the suite's replay_check_every): their own K/V writes stay
+    engine = Engine(EngineConfig(dtype=dtype, num_threads=2, cache=_NO_PREFIX_CACHE, replay_check_every=0))
     eager = Engine(EngineConfig(dtype=dtype, num_threads=2, cache=_NO_PREFIX_CACHE, enforce_eager=True))
     graphs = engine.runner.graphs
     if _recordable_sizes(engine, (1, 48)) != {1, 48}:
@@ -262,8 +284,9 @@ def test_the_first_overflow_sizes_the_pool_for_the_largest_step():
         pytest.skip("a linear of these sizes is not a C kernel on this CPU")
     _generate(engine, False, [[100, 7, 8, 9]], [6])
     one, size = graphs.graphs[1], graphs.pool.buffer.numel()
-    for n in (2, 1, 3, 1):
-        _generate(engine, False, [[100 + i, 7, 8, 9] for i in range(n)], [6] * n)
+    with _replays(graphs):
+        for n in (2, 1, 3, 1):
+            _generate(engine, False, [[100 + i, 7, 8, 9] for i in range(n)], [6] * n)
     _generate(engine, False, [list(range(100, 100 + graphs.max_tokens))], [2])   # the largest step
     assert graphs.graphs[1] is one and one.verified and not graphs.dropped
     assert graphs.pool.buffer.numel() == size >= graphs.pool.used
@@ -366,3 +389,109 @@ def test_the_c_loop_passes_integers_and_floats_and_checks_int_results():
     other.calls += [(labs, (-5,), 5), (fabs, (-1.5,), None)]
     other.replay()
     assert other._plan is None
+
+
+# -- prefix caching on (the default), preemption, prompt chunks beside decode rows ----------------
+
+def _workload(engine: Engine) -> tuple[list, dict[str, set]]:
+    """Four requests sharing a 40-token prefix, arriving three steps apart, in a KV cache too small
+    for all of them (12 blocks of 16): each newcomer's chunk after the shared blocks runs beside
+    the others' decode rows, and the newest running requests are preempted and recomputed after
+    the blocks their prefix left cached. Returns each request's (token, logprob, top-5) list and,
+    for every kind of row, the steps a replay served that held one: "decode", "prompt" (a chunk
+    from position 0), "after_cached" (a chunk after blocks the prefix cache holds) and
+    "recompute" (a chunk of a request preempted before)."""
+    graphs, real = engine.runner.graphs, engine.runner.execute
+    kinds: dict[str, set] = {k: set() for k in ("decode", "prompt", "after_cached", "recompute")}
+    step = iter(range(10**6))
+
+    def execute(plan):
+        before, n = graphs.replayed_steps if graphs else 0, next(step)
+        logits = real(plan)
+        if graphs and graphs.replayed_steps > before:
+            for e in plan.scheduled:
+                r = engine.scheduler.requests[e.request_id]
+                chunk = e.start_pos < r.num_tokens - 1
+                kind = "decode" if not chunk else "recompute" if r.num_preemptions else \
+                    "after_cached" if e.start_pos else "prompt"
+                kinds[kind].add(n)
+        return logits
+    engine.runner.execute = execute
+    shared = list(range(1000, 1040))
+    sampling = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=5)
+    out: dict[str, list] = {}
+    try:
+        for i in range(200):
+            if i % 3 == 0 and len(out) < 4:
+                out[engine.add_request(shared + list(range(2000 + 10 * i, 2008 + 10 * i)), sampling)] = []
+            for o in engine.step():
+                out[o.request_id] += [(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs]
+            if len(out) == 4 and not engine.has_unfinished:
+                break
+    finally:
+        engine.runner.execute = real
+    assert engine.kv.stats.hits > 0
+    return list(out.values()), kinds
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_replayed_steps_equal_eager_ones_with_prefix_caching_preemption_and_mixed_rows(dtype):
+    """With prefix caching on (the default), a worker's warmed-up graphs serve steps whose
+    prompt chunks start after cached blocks, sit beside decode rows and recompute preempted
+    requests: every replayed step, checked against the eager step on the same inputs
+    (replay_check_every=1), has its bits; and an engine replaying them unchecked gives the
+    eager engine's tokens and logprobs, bit for bit."""
+    from tessera.config import SchedulerConfig
+    from tessera.entrypoints.worker import _warmed
+
+    def make(**extra) -> Engine:
+        cfg = EngineConfig(dtype=dtype, num_threads=2, cache=CacheConfig(num_blocks=12),
+                           scheduler=SchedulerConfig(max_num_batched_tokens=64), **extra)
+        return _warmed(Engine(cfg))
+    checked = make(replay_check_every=1)
+    if _recordable_sizes(checked, (1, 2, 3, 32)) != {1, 2, 3, 32}:
+        pytest.skip("a linear of these sizes is not a C kernel on this CPU")
+    graphs = checked.runner.graphs
+    before = graphs.replayed_steps
+    _, kinds = _workload(checked)
+    assert graphs.mismatches == 0 and not graphs.dropped
+    assert all(kinds.values()), kinds            # every kind of row was served by a replay
+    assert kinds["decode"] & kinds["after_cached"] and kinds["decode"] & kinds["recompute"], kinds
+    assert graphs.replayed_steps - before > 30 and graphs.checked_steps == graphs.replayed_steps
+    replayed = make(replay_check_every=0)
+    got, kinds = _workload(replayed)
+    assert all(kinds.values()) and replayed.runner.graphs.checked_steps == 0, kinds
+    assert got == _workload(make(enforce_eager=True))[0]
+
+
+def test_a_graph_that_drifts_after_its_check_is_caught_by_the_recheck(monkeypatch, caplog):
+    """A graph that passed its first check and later replays wrong bits (a value its recording
+    baked in): with TESSERA_REPLAY_CHECK_EVERY=1 the next replayed step is checked, the graph is
+    counted, logged and dropped, and the tokens stay the eager ones; without re-checks, the
+    wrong bits are served."""
+    real = step_graph.StepGraph.replay
+    replays = []
+
+    def drifting(self, model, batch, inputs):
+        replays.append(self.rows)
+        out = real(self, model, batch, inputs)
+        return out + 1 if len(replays) > 4 else out
+    prompt = list(range(500, 540))
+    results = {}
+    for every in ("1", "0"):
+        monkeypatch.setenv("TESSERA_REPLAY_CHECK_EVERY", every)
+        engine = Engine(EngineConfig(dtype="float32", num_threads=2, cache=_NO_PREFIX_CACHE))
+        if _recordable_sizes(engine, {1}) != {1}:
+            pytest.skip("a float32 linear of one row is not a C kernel on this CPU")
+        assert engine.runner.graphs.check_every == int(every)
+        replays.clear()
+        monkeypatch.setattr(step_graph.StepGraph, "replay", drifting)
+        with caplog.at_level(logging.WARNING, logger="tessera.step_graph"):
+            results[every] = _generate(engine, False, [prompt], [12]), engine.runner.graphs
+        monkeypatch.setattr(step_graph.StepGraph, "replay", real)
+    expected = _generate(engine, True, [prompt], [12])
+    (checked, graphs), (unchecked, silent) = results["1"], results["0"]
+    assert checked == expected and graphs.mismatches == 1 and graphs.dropped == {1} and not graphs.graphs
+    assert graphs.checked_steps == graphs.replayed_steps >= 3
+    assert "differs from the eager step on a re-check" in caplog.text
+    assert unchecked != expected and silent.mismatches == 0 and silent.replayed_steps > 4

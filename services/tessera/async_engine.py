@@ -60,7 +60,7 @@ class AsyncEngine:
         return self._thread.is_alive() and self.error is None
 
     def info(self) -> WorkerInfo:
-        e, spec = self.engine, self.engine.spec_stats
+        e, spec, graphs = self.engine, self.engine.spec_stats, self.engine.runner.graphs
         return WorkerInfo(
             model_id=e.model_id, max_model_len=e.max_model_len, num_kv_blocks=e.kv.num_blocks,
             kv_block_size=e.kv.block_size, num_free_kv_blocks=e.kv.num_free_blocks,
@@ -69,7 +69,8 @@ class AsyncEngine:
             speculative=_drafter(e.config.speculative), spec_verify_rounds=spec.verify_rounds,
             spec_draft_tokens=spec.draft_tokens, spec_accepted_tokens=spec.accepted_tokens,
             spec_emitted_tokens=spec.emitted_tokens, prefix_cache_queries=e.kv.stats.queries,
-            prefix_cache_hits=e.kv.stats.hits, stage_compute_s=e.runner.compute_s)
+            prefix_cache_hits=e.kv.stats.hits, stage_compute_s=e.runner.compute_s,
+            replay_checks=graphs.checked_steps if graphs else 0, replay_mismatches=graphs.mismatches if graphs else 0)
 
     async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateChunk]:
         """Tokenize here, then hand the request to the engine thread, which validates it

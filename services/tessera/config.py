@@ -4,6 +4,7 @@ Every process builds its runtime from these; the CLI maps its flags onto their f
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 
@@ -199,6 +200,12 @@ class EngineConfig:
     graph_warmup_s: float = field(default=5.0, metadata={
         "help": "seconds a worker's warm-up may spend recording the step graphs of prompt steps (32, 48, ... "
         "tokens, then 1-16) before it says ready; 0: each is recorded at its first step (step_graph.py)"})
+    # Read from the environment, against the rule, so that the test suite can check every engine it
+    # builds, in its own process and in the `tessera` processes it starts.
+    replay_check_every: int = field(default_factory=lambda: int(os.environ.get("TESSERA_REPLAY_CHECK_EVERY", "0")),
+                                    metadata={"help": "check every Nth replayed step against the eager step too; a "
+                                              "graph that differs is logged, counted and dropped (0: only each graph's "
+                                              "first replay; default: $TESSERA_REPLAY_CHECK_EVERY or 0)"})
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
@@ -210,6 +217,8 @@ class EngineConfig:
             raise ConfigError("max_model_len must be > 0")
         if not self.graph_warmup_s >= 0:
             raise ConfigError("graph_warmup_s must be >= 0", "graph_warmup_s")
+        if self.replay_check_every < 0:
+            raise ConfigError("replay_check_every must be >= 0", "replay_check_every")
         q = self.quantization
         if q not in (None, "int8", "int4", "int3", "gguf") and not (q.endswith(".json")):
             raise ConfigError("quantization must be int8, int4, int3, gguf or a plan .json file", "quantization")

@@ -109,7 +109,7 @@ class Engine:
         self.runner = make_runner(model, num_blocks, cache.block_size)
         if not config.enforce_eager and getattr(self.runner, "step_graphs_apply", False):
             self.runner.replay_steps(-(-self.max_model_len // cache.block_size),
-                                    config.scheduler.max_num_batched_tokens)
+                                    config.scheduler.max_num_batched_tokens, config.replay_check_every)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
             {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         self._detok: dict[str, IncrementalDetokenizer] = {}

@@ -52,10 +52,11 @@ class ModelRunner:
             hidden = forward(self.model, batch, self.kv_caches)
         return self.model.compute_logits(hidden)
 
-    def replay_steps(self, max_blocks: int, max_step_tokens: int) -> None:
+    def replay_steps(self, max_blocks: int, max_step_tokens: int, check_every: int = 0) -> None:
         """Replay the kernel calls of steps of up to max_step_tokens tokens, of requests of at
-        most max_blocks KV blocks each (step_graph.py)."""
-        self.graphs = StepGraphs(self.model, self.kv_caches, max_blocks, max_step_tokens)
+        most max_blocks KV blocks each, every check_every-th checked against the eager step
+        too (0: only each graph's first; step_graph.py)."""
+        self.graphs = StepGraphs(self.model, self.kv_caches, max_blocks, max_step_tokens, check_every)
 
     @torch.inference_mode()
     def keep_path(self, block_table: tuple[int, ...], start_pos: int, nodes: list[int]) -> None:

@@ -34,10 +34,13 @@ router, a dtype without C kernels, a linear on oneDNN) is not kept and, after a 
 that row count stays eager (and after refusals at REFUSED_SIZES counts with none kept, every
 count). A kept one is replayed once beside the eager step on the same inputs and must give the
 same bits before it serves, else it is dropped and a warning logged; so is one whose replay
-fails (a call returning other than it did when recorded). The graphs hold every buffer their
-calls point into, the weights' memory included: a weight edited in place or moved after they
-were recorded is not seen by them (the serving engine never does either; the tools that edit
-weights run their own runners).
+fails (a call returning other than it did when recorded). With check_every N (EngineConfig's
+replay_check_every; on in the test suite), every Nth replayed step is checked the same way
+again: a graph that stops matching (a value the recording baked in, a kernel whose path
+depends on values, not shapes) is logged, counted (mismatches) and dropped. The graphs hold
+every buffer their calls point into, the weights' memory included: a weight edited in place or
+moved after they were recorded is not seen by them (the serving engine never does either; the
+tools that edit weights run their own runners).
 """
 from __future__ import annotations
 
@@ -149,8 +152,11 @@ class StepGraphs:
     recording for a step of max_tokens (SmolLM2 in bf16: 0.58 MB a token, 147 MB, held besides
     the KV cache; its pages are touched as steps of as many tokens come)."""
 
-    def __init__(self, model: CausalLM, kv_caches: KVCaches, max_blocks: int, max_step_tokens: int) -> None:
+    def __init__(self, model: CausalLM, kv_caches: KVCaches, max_blocks: int, max_step_tokens: int,
+                 check_every: int = 0) -> None:
+        """check_every N > 0: every Nth replayed step is checked against the eager step too."""
         self.model, self.kv_caches, self.max_blocks = model, kv_caches, max_blocks
+        self.check_every = check_every
         self.max_tokens = min(max_step_tokens, MAX_TOKENS)
         self.inputs = Inputs(model, self.max_tokens, max_blocks)
         self.pool = replay.Pool()
@@ -158,6 +164,8 @@ class StepGraphs:
         self.refusals: dict[int, int] = {}       # recordings refused, per row count
         self.dropped: set[int] = set()           # row counts whose graph failed its check or a replay
         self.replayed_steps = 0
+        self.checked_steps = 0                   # replayed steps checked again (check_every)
+        self.mismatches = 0                      # of those, the ones that differed from the eager step
         self.kept_any = False                    # whether a recording was ever kept (the pool's growth drops them)
         # by address: what the recorded calls point into besides the inputs and the pool
         self._held: dict[int, torch.Tensor] = {}
@@ -206,14 +214,17 @@ class StepGraphs:
             return forward(self.model, batch, self.kv_caches)     # writes this step's K/V again
         if graph.verified:
             self.replayed_steps += 1
-            return replayed
-        # The first replay is checked against the eager step (of the T tokens, unpadded), which
-        # runs after it so that its K/V writes are the ones that stay.
+            if not self.check_every or self.replayed_steps % self.check_every:
+                return replayed
+            self.checked_steps += 1
+        # The first replay (and every check_every-th) is checked against the eager step (of the
+        # T tokens, unpadded), which runs after it so that its K/V writes are the ones that stay.
         eager = forward(self.model, batch, self.kv_caches)
         if torch.equal(eager, replayed):
             graph.verified = True
         else:
-            self._drop(R, "differs from the eager step")
+            self.mismatches += graph.verified
+            self._drop(R, "differs from the eager step" + (" on a re-check" if graph.verified else ""))
         return eager
 
     def _capture(self, R: int, batch: ForwardBatch) -> torch.Tensor:

@@ -75,6 +75,8 @@ class WorkerInfo:
     prefix_cache_queries: int = 0    # since start, in tokens: looked up in the prefix cache at admission,
     prefix_cache_hits: int = 0       # and found there
     stage_compute_s: float = 0.0     # a pipeline's first stage: seconds in its own layers since start
+    replay_checks: int = 0           # replayed steps checked again against the eager step (replay_check_every),
+    replay_mismatches: int = 0       # and those that differed (their graph dropped)
 
 
 class WorkerError(Exception):
