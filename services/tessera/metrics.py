@@ -46,6 +46,11 @@ class WorkerCollector:
         yield from _counters("tessera_worker_prefix_cache", labels, values, (
             ("queries", "Tokens looked up in the prefix cache at admission", info.prefix_cache_queries),
             ("hits", "Tokens the prefix cache had (hit rate = hits / queries)", info.prefix_cache_hits)))
+        yield from _counters("tessera_worker_step_replay", labels, values, (
+            ("checks", "Replayed steps checked again against the eager step (--replay-check-every)",
+             info.replay_checks),
+            ("mismatches", "Re-checked replays that differed (their graph dropped; a bug to report)",
+             info.replay_mismatches)))
         yield from _counters("tessera_worker_stage", labels, values, (
             ("compute_seconds", "A pipeline's first stage: time in its own layers (0 on other workers; later "
                                 "stages: tessera_pipeline_shard_compute_seconds)", info.stage_compute_s),))

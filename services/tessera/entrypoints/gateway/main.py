@@ -77,7 +77,7 @@ def main(config: GatewayConfig, admission: AdmissionConfig) -> int:
         client, source = pool, f"registry {registry_url}"
     else:
         workers = list(config.worker) or [os.environ.get("TESSERA_WORKER", "127.0.0.1:50051")]
-        model = asyncio.run(_wait_for_worker(workers[0], config.wait_s)).model_id
+        model = asyncio.run(_wait_for_worker(workers, config.wait_s)).model_id
         client = connect(workers[0]) if len(workers) == 1 else WorkerPool(connect, workers)
         source = ", ".join(workers)
     app = create_app(client, config.served_model_name or model, background,
@@ -109,20 +109,24 @@ async def _wait_for_registered(url: str, prefix: str, model: str | None, wait_s:
         await registry.close()
 
 
-async def _wait_for_worker(address: str, wait_s: float):
+async def _wait_for_worker(addresses: list[str], wait_s: float):
+    """The first of the workers to answer Info (one that refuses the gateway is no answer)."""
     from tessera.rpc.client import GrpcWorkerClient
     from tessera.worker_api import WorkerError
-    deadline = time.monotonic() + wait_s
+    deadline, why = time.monotonic() + wait_s, {}
     while True:
-        client = GrpcWorkerClient(address)
-        try:
-            return await client.info(timeout_s=2.0)
-        except WorkerError:
-            if time.monotonic() > deadline:
-                raise SystemExit(f"worker at {address} did not answer within {wait_s:.0f} s")
-            await asyncio.sleep(0.5)
-        finally:
-            await client.close()
+        for address in addresses:
+            client = GrpcWorkerClient(address)
+            try:
+                return await client.info(timeout_s=2.0)
+            except WorkerError as e:
+                why[address] = str(e)
+            finally:
+                await client.close()
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no worker answered within {wait_s:.0f} s: "
+                             + "; ".join(f"{a}: {w}" for a, w in why.items()))
+        await asyncio.sleep(0.5)
 
 
 def keys_add(registry: str, prefix: str, name: str, rpm: int, tpm: int) -> int:
