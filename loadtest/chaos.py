@@ -107,10 +107,10 @@ async def stream(client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens
     except openai.APIStatusError as e:
         clear = isinstance(e.body, dict) and ("message" in e.body or "error" in e.body)
         return ("error" if clear else "lost"), f"{e.status_code} {e.body}"
-    except openai.APIError as e:   # an error event inside the stream is a clear error too
-        return ("error" if "error" in str(e).lower() else "lost"), repr(e)
     except (openai.APIConnectionError, openai.APITimeoutError, httpx.HTTPError, asyncio.TimeoutError) as e:
-        return "lost", repr(e)
+        return "lost", repr(e)      # (before APIError: these are APIErrors too)
+    except openai.APIError as e:    # an error event inside the stream: a clear error
+        return "error", repr(e)
 
 
 async def hostile(http: httpx.AsyncClient, model: str, name: str, body: bytes) -> tuple[str, str]:
@@ -133,6 +133,30 @@ def rss_mib(pid: int) -> float | None:
     return None
 
 
+async def _ready(http: httpx.AsyncClient, up: Up, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if (await http.get("/health/ready")).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or up.proc.poll() is not None:
+            raise RuntimeError("the deployment never became ready")
+        await asyncio.sleep(1)
+
+
+async def _reference(client: openai.AsyncOpenAI, model: str, max_tokens: int) -> dict[str, str]:
+    """Each prompt's text before any fault."""
+    reference = {}
+    for p in PROMPTS:
+        kind, text = await stream(client, model, p, max_tokens)
+        if kind != "done":
+            raise RuntimeError(f"the reference request failed: {text}")
+        reference[p] = text
+    return reference
+
+
 async def run(a: argparse.Namespace) -> dict:
     spec = yaml.safe_load(open(a.topology))
     base = f"http://127.0.0.1:{spec['roles']['gateway']['port']}"
@@ -141,24 +165,10 @@ async def run(a: argparse.Namespace) -> dict:
     normal, bad, kills, rss = Tally(), Tally(), [], []
     try:
         async with httpx.AsyncClient(base_url=base, timeout=a.timeout_s) as http:
-            deadline = time.monotonic() + a.startup_timeout_s
-            while True:
-                try:
-                    if (await http.get("/health/ready")).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline or up.proc.poll() is not None:
-                    raise RuntimeError("the deployment never became ready")
-                await asyncio.sleep(1)
+            await _ready(http, up, a.startup_timeout_s)
             client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=a.timeout_s)
             model = (await client.models.list()).data[0].id
-            reference = {}
-            for p in PROMPTS:    # before any fault
-                kind, text = await stream(client, model, p, a.max_tokens)
-                if kind != "done":
-                    raise RuntimeError(f"the reference request failed: {text}")
-                reference[p] = text
+            reference = await _reference(client, model, a.max_tokens)
             stop_at = time.monotonic() + a.duration_s
 
             async def user(i: int) -> None:

@@ -1,7 +1,7 @@
 """loadtest/chaos.py as CI runs it: `tessera up` with two float32 workers of a tiny random
 model under streaming load, a worker SIGKILLed every 20-40 s, hostile requests mixed in, for
 $TESSERA_CHAOS_S seconds (default 180): nothing lost, every finished stream's text equal to
-the fault-free reference, every hostile request a 4xx with OpenAI error JSON."""
+the fault-free reference, clear errors rare, every hostile request a 4xx with OpenAI error JSON."""
 from __future__ import annotations
 
 import json
@@ -33,6 +33,8 @@ def test_chaos_run_loses_nothing(tiny_models, tmp_path):
     report = json.loads(out.read_text())
     assert run.returncode == 0, (run.stdout[-2000:], report.get("examples"))
     assert report["lost"] == 0 and report["normal"]["same"] > 0 and "different" not in report["normal"]
+    # with one replica always up, a kill costs at most a rare clear error, never a run of them
+    assert report["normal"].get("error", 0) <= 0.02 * report["normal"]["same"], report["examples"]
     assert report["hostile"].get("error", 0) > 0 and "accepted" not in report["hostile"]
     assert len(report["kills"]) >= int(duration // 40) and report["restarts"] >= len(report["kills"]) - 1
     assert report["up_exit_code"] == 0

@@ -133,6 +133,22 @@ def test_expert_node_control_takes_attention_nodes_only(tiny_models, certs, as_r
             control.close()
 
 
+def test_a_certificate_that_cannot_work_stops_the_process_at_start(certs, tmp_path):
+    """A key that is not the certificate's, or a certificate no CA in ca.crt issued: one line
+    and exit 78 (a configuration error, never restarted), before any model is loaded."""
+    import shutil
+    import subprocess
+    import sys
+    for name, broken in (("key", "tls.key"), ("ca", "ca.crt")):
+        d = tmp_path / name
+        shutil.copytree(certs["worker"], d)
+        shutil.copy(certs["foreign-gateway"] / broken, d / broken)
+        out = subprocess.run([sys.executable, "-m", "tessera.cli", "worker", "--model", "random:llama"],
+                             env=dict(os.environ, **{mtls.ENV: str(d)}), capture_output=True, text=True, timeout=120)
+        assert out.returncode == 78 and "Traceback" not in out.stderr, out.stderr
+        assert ("is not the key of" if name == "key" else "was not issued by a CA") in out.stderr
+
+
 # ---- the TCP M2N transport --------------------------------------------------------------------
 
 def _frame(tensor: torch.Tensor) -> bytes:

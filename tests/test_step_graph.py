@@ -469,6 +469,7 @@ def test_a_graph_that_drifts_after_its_check_is_caught_by_the_recheck(monkeypatc
     baked in): with TESSERA_REPLAY_CHECK_EVERY=1 the next replayed step is checked, the graph is
     counted, logged and dropped, and the tokens stay the eager ones; without re-checks, the
     wrong bits are served."""
+    monkeypatch.delenv("TESSERA_REPLAY_CHECK_STRICT", raising=False)   # the serving path, not the suite's
     real = step_graph.StepGraph.replay
     replays = []
 
@@ -495,3 +496,11 @@ def test_a_graph_that_drifts_after_its_check_is_caught_by_the_recheck(monkeypatc
     assert graphs.checked_steps == graphs.replayed_steps >= 3
     assert "differs from the eager step on a re-check" in caplog.text
     assert unchecked != expected and silent.mismatches == 0 and silent.replayed_steps > 4
+    # The suite's strict mode: the re-check's mismatch is an error, not a quiet fallback.
+    monkeypatch.setenv("TESSERA_REPLAY_CHECK_EVERY", "1")
+    monkeypatch.setenv("TESSERA_REPLAY_CHECK_STRICT", "1")
+    engine = Engine(EngineConfig(dtype="float32", num_threads=2, cache=_NO_PREFIX_CACHE))
+    replays.clear()
+    monkeypatch.setattr(step_graph.StepGraph, "replay", drifting)
+    with pytest.raises(RuntimeError, match="on a re-check"):
+        _generate(engine, False, [prompt], [12])

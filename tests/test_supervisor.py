@@ -110,6 +110,9 @@ def test_up_reports_a_worker_port_in_use_once_and_exits_1(tmp_path):
     """The worker's start-up fails on its port (bound exclusively): one message naming the
     port, no restart, and `tessera up` ends with 1 since no worker is left."""
     holder = socket.socket()
+    # SO_REUSEPORT as a default gRPC server's socket has it: a worker that did not bind
+    # exclusively would share the port with it without a word
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     holder.bind(("127.0.0.1", 0))
     holder.listen()
     taken = holder.getsockname()[1]

@@ -10,19 +10,17 @@ import json
 import os
 import pathlib
 import socket
+import ssl
 import subprocess
 import sys
 import threading
 
-import grpc
 import openai
 import pytest
 import yaml
-from grpc_health.v1 import health, health_pb2_grpc
 
 from servers import Logged, free_port, redis_server, wait_until
 from tessera.mtls.certs import write_role_dirs
-from tessera.mtls.links import SERVER_OPTIONS, add_port
 
 PASSWORD = "trust-test-redis-pw"
 PROMPT = "Tell me about the harbour at dawn."
@@ -62,8 +60,8 @@ def _cmdlines() -> list[str]:
 
 
 async def _plant(redis_url: str, prefix: str, addresses: list[str]) -> None:
-    """Copy the real worker's record under new ids, pointing at `addresses`, with no load (so a
-    least-loaded gateway would pick them first), and keep them fresh."""
+    """Copy the real worker's record under new ids (no expiry), pointing at `addresses`, with no
+    load (so a least-loaded gateway would pick them first); and a value that is no record at all."""
     import redis.asyncio as redis
     client = redis.Redis.from_url(redis_url)
     try:
@@ -72,6 +70,7 @@ async def _plant(redis_url: str, prefix: str, addresses: list[str]) -> None:
         for i, address in enumerate(addresses):
             await client.set(f"{prefix}:worker:rogue-{i}", json.dumps({**record, "worker_id": f"rogue-{i}",
                                                                        "address": address, "load": 0}))
+        await client.set(f"{prefix}:worker:garbage", b"\x00not json")    # must not stop the watch
     finally:
         await client.aclose()
 
@@ -87,7 +86,7 @@ def test_a_planted_worker_record_gets_no_request_and_users_are_served(tiny_model
     subprocess.run([sys.executable, "-m", "tessera.cli", "certs", str(topology), "--out", str(certs)], check=True)
     # An insider: a certificate of this very CA, for a role that does not serve the Worker service.
     ca = ((certs / "ca" / "ca.crt").read_bytes(), (certs / "ca" / "ca.key").read_bytes())
-    insider = write_role_dirs(tmp_path / "insider", "trust", roles=("expert-node",), ca=ca)["expert-node"]
+    insider = Insider(write_role_dirs(tmp_path / "insider", "trust", roles=("expert-node",), ca=ca)["expert-node"])
     outsider = Listener()
     with redis_server(password=PASSWORD) as redis:
         up = Logged("up", str(topology), "--certs", str(certs), "--shutdown-grace-s", "2",
@@ -99,46 +98,53 @@ def test_a_planted_worker_record_gets_no_request_and_users_are_served(tiny_model
             wait_until(lambda: _answers(client), 120, "the gateway never answered")
             assert not [c for c in _cmdlines() if PASSWORD in c]                      # not in `ps`
             assert not [line for line in up.lines if PASSWORD in line]              # not in the output
-            insider_seen = asyncio.run(_with_insider(insider, redis.url, outsider, client))
+            asyncio.run(_planted_and_served(insider, outsider, redis.url, client))
         finally:
             assert up.close(60) == 0
-    assert insider_seen == []                                           # not one call reached it
+    assert insider.connections >= 1 and insider.received == b""        # dialed, refused, read nothing
     assert PROMPT.encode() not in outsider.received                     # no prompt, in clear or otherwise
     assert outsider.received[:1] == b"\x16"      # the gateway did dial it: a TLS ClientHello, nothing more
     assert b"PRI * HTTP/2.0" not in outsider.received                   # no gRPC (HTTP/2) ever began
 
 
-async def _with_insider(insider: pathlib.Path, redis_url: str, outsider: Listener, client) -> list[str]:
-    """Serve TLS with the insider's certificate, plant both records, send users' requests."""
-    from tessera.mtls import links
-    seen: list[str] = []
+class Insider(Listener):
+    """A TLS listener holding another role's certificate of the deployment's own CA: it counts
+    the connections it gets and keeps whatever a completed handshake would let it read."""
 
-    class Recording(grpc.aio.ServerInterceptor):
-        async def intercept_service(self, continuation, details):
-            seen.append(details.method)
-            return await continuation(details)
+    def __init__(self, role_dir: pathlib.Path) -> None:
+        self.ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.ctx.load_cert_chain(role_dir / "tls.crt", role_dir / "tls.key")
+        self.ctx.load_verify_locations(role_dir / "ca.crt")
+        self.ctx.verify_mode = ssl.CERT_REQUIRED
+        self.connections = 0
+        super().__init__()
 
-    old = os.environ.get(links.ENV)
-    os.environ[links.ENV] = str(insider)
-    try:
-        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[Recording()])
-        health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
-        insider_port = add_port(server, "127.0.0.1", 0)
-    finally:
-        os.environ.pop(links.ENV) if old is None else os.environ.__setitem__(links.ENV, old)
-    await server.start()
-    try:
-        await _plant(redis_url, "tessera:trust", [f"127.0.0.1:{insider_port}", f"127.0.0.1:{outsider.port}"])
-        await asyncio.sleep(2.0)      # the gateway's registry watch picks them up
-        model = client.models.list().data[0].id
-        for _ in range(2):    # at once: the real worker busy, a least-loaded pick goes to the planted ones
-            replies = await asyncio.gather(*(asyncio.to_thread(
-                client.chat.completions.create, model=model, max_tokens=8, temperature=0,
-                messages=[{"role": "user", "content": f"{PROMPT} ({i})"}]) for i in range(8)))
-            assert all(r.choices[0].message.content is not None for r in replies)
-    finally:
-        await server.stop(0)
-    return seen
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            conn.settimeout(2.0)
+            try:
+                with self.ctx.wrap_socket(conn, server_side=True) as tls:
+                    while chunk := tls.recv(65536):
+                        self.received += chunk
+            except (OSError, ssl.SSLError):
+                conn.close()
+
+
+async def _planted_and_served(insider: Insider, outsider: Listener, redis_url: str, client) -> None:
+    """Plant both records, then send users' requests."""
+    await _plant(redis_url, "tessera:trust", [f"127.0.0.1:{insider.port}", f"127.0.0.1:{outsider.port}"])
+    await asyncio.sleep(2.0)      # the gateway's registry watch picks them up
+    model = client.models.list().data[0].id
+    for _ in range(2):    # at once: the real worker busy, a least-loaded pick goes to the planted ones
+        replies = await asyncio.gather(*(asyncio.to_thread(
+            client.chat.completions.create, model=model, max_tokens=8, temperature=0,
+            messages=[{"role": "user", "content": f"{PROMPT} ({i})"}]) for i in range(8)))
+        assert all(r.choices[0].message.content is not None for r in replies)
 
 
 def _answers(client) -> bool:

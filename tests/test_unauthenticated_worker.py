@@ -1,6 +1,6 @@
-"""A worker that refuses the gateway (UNAUTHENTICATED: a stale process on the port holding
-another deployment's secret; PERMISSION_DENIED, FAILED_PRECONDITION, UNIMPLEMENTED: another
-configuration error) is logged and taken out of rotation: users' requests go to a healthy
+"""A worker that refuses the gateway (UNAUTHENTICATED: credentials it does not take;
+PERMISSION_DENIED: the gateway's role may not call it (mtls/names.py); FAILED_PRECONDITION,
+UNIMPLEMENTED: another configuration error) is logged and taken out of rotation: users' requests go to a healthy
 replica and succeed; with no healthy replica left they get a 503 with Retry-After, never a 500."""
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class Refuses(worker_pb2_grpc.WorkerServicer):
 
 
 @contextlib.contextmanager
-def refusing_worker(code=grpc.StatusCode.UNAUTHENTICATED, details="missing or wrong cluster token"):
+def refusing_worker(code=grpc.StatusCode.UNAUTHENTICATED, details="credentials refused"):
     """A gRPC server on a free loopback port answering every Worker call with `code`."""
     server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=4))
     worker_pb2_grpc.add_WorkerServicer_to_server(Refuses(code, details), server)
@@ -113,7 +113,7 @@ def local_worker(tiny_models):
     engine.shutdown()
 
 
-REFUSALS = [(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token"),
+REFUSALS = [(grpc.StatusCode.UNAUTHENTICATED, "credentials refused"),
             (grpc.StatusCode.PERMISSION_DENIED, "gateway may not call /tessera.rpc.v1.Worker/Session"),
             (grpc.StatusCode.FAILED_PRECONDITION, "this worker belongs to another deployment"),
             (grpc.StatusCode.UNIMPLEMENTED, "Method not found!")]

@@ -97,9 +97,12 @@ def cmd_up(a: argparse.Namespace) -> int:
               certs=a.certs)
 
 
-def cmd_certs(a: argparse.Namespace) -> int:
-    from tessera.entrypoints.certs import main
-    return main(a.file, a.out, a.target, a.days, a.ca)
+def _lazy(module: str, name: str):
+    """module.name, imported when called: a command imports only what it runs."""
+    def call(arg):
+        import importlib
+        return getattr(importlib.import_module(module), name)(arg)
+    return call
 
 
 def cmd_render(a: argparse.Namespace) -> int:
@@ -130,16 +133,6 @@ def cmd_init_random(a: argparse.Namespace) -> int:
     from tessera.models.random_init import write_random_model
     print(write_random_model(a.arch, a.out, seed=a.seed))
     return 0
-
-
-def cmd_bench_engine(a: argparse.Namespace) -> int:
-    from tessera.bench.engine_bench import main
-    return main(a)
-
-
-def cmd_bench_serve(a: argparse.Namespace) -> int:
-    from tessera.bench.serve_bench import main
-    return main(a)
 
 
 def _address_args(p: argparse.ArgumentParser, port: int) -> None:
@@ -194,15 +187,6 @@ def _up_args(p: argparse.ArgumentParser) -> None:
                    help="certificate directories from `tessera certs FILE --out DIR` (default: a throwaway CA "
                         "made at start)")
     add_flags(p, SupervisorConfig)
-
-
-def _certs_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("file", help="topology file: its name and roles")
-    p.add_argument("--target", default="files", choices=["files", "k8s"],
-                   help="files: DIR/<role>/{ca.crt,tls.crt,tls.key} to mount (compose); k8s: Secrets as YAML")
-    p.add_argument("--out", default=None, help="directory (files) or YAML file (k8s; default stdout)")
-    p.add_argument("--days", type=float, default=90.0, help="validity of the role certificates")
-    p.add_argument("--ca", default=None, help="sign with this CA directory (ca.crt, ca.key) instead of a new CA")
 
 
 def _keys_add_args(p: argparse.ArgumentParser) -> None:
@@ -324,7 +308,8 @@ COMMANDS = {
                       cmd_keys_add),
     ("render",): ("docker-compose or Kubernetes files from a topology file", _render_args, cmd_render),
     ("certs",): ("a deployment's CA and one certificate per role (internal mutual TLS), for compose or "
-                 "Kubernetes", _certs_args, cmd_certs),
+                 "Kubernetes", _lazy("tessera.entrypoints.certs", "add_args"),
+                 _lazy("tessera.entrypoints.certs", "run")),
     ("probe",): ("health check for containers: exit 0 when TARGET is healthy", _probe_args, cmd_probe),
     ("worker",): ("the gRPC worker process (--engine vllm: vLLM's engine)", _plain_worker_args, cmd_worker),
     ("attention-node",): ("AFD: attention, KV cache, router and sampler (a worker)", _attention_node_args,
@@ -342,8 +327,10 @@ COMMANDS = {
     ("run-batch",): ("an OpenAI batch file offline: in this process, or against a deployment's --url",
                      *_module_command("tessera.entrypoints.run_batch")),
     ("model", "init-random"): ("write a tiny random checkpoint (HF format)", _init_random_args, cmd_init_random),
-    ("bench", "engine"): ("offline engine throughput (no HTTP)", _bench_engine_args, cmd_bench_engine),
-    ("bench", "serve"): ("load generator for any OpenAI-compatible server", _bench_serve_args, cmd_bench_serve),
+    ("bench", "engine"): ("offline engine throughput (no HTTP)", _bench_engine_args,
+                          _lazy("tessera.bench.engine_bench", "main")),
+    ("bench", "serve"): ("load generator for any OpenAI-compatible server", _bench_serve_args,
+                         _lazy("tessera.bench.serve_bench", "main")),
     ("bench", "m2n"): ("M2N transport round trips vs torch.distributed all_to_all (gloo)",
                        *_module_command("tessera.bench.m2n_bench")),
     ("bench", "afd"): ("AFD decode throughput for m = 1, 2, 3 vs the monolithic engine",
@@ -391,7 +378,7 @@ def build_parser(wanted: set[str] | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tessera import exit_codes, logs
+    from tessera import exit_codes, logs, mtls
     from tessera.deploy import parent_watch
     parent_watch.watch_from_env()   # first: a supervised process never outlives its supervisor
     logs.setup()
@@ -402,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:   # argparse has said what is wrong with the flags
         return exit_codes.CONFIG_ERROR if e.code == 2 else e.code
     try:
+        mtls.identity()     # a certificate that could never complete a handshake stops us here
         return args.fn(args)
     except ConfigError as e:   # one line, and an exit code a supervisor does not restart
         return exit_codes.config_error(args.command, str(e))

@@ -19,12 +19,12 @@ def connect(url: str, blocking: bool = False, **kwargs):
 
 
 def split_password(url: str) -> tuple[str, str | None]:
-    """(the URL without its user:password, the password or None)."""
+    """(the URL without its password (an ACL user name stays), the password or None)."""
     parts = urllib.parse.urlsplit(url)
     if parts.password is None and not parts.username:
         return url, None
     host = parts.hostname or ""
-    netloc = f"[{host}]" if ":" in host else host
+    netloc = (f"{parts.username}@" if parts.username else "") + (f"[{host}]" if ":" in host else host)
     if parts.port is not None:
         netloc += f":{parts.port}"
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc)), parts.password

@@ -90,11 +90,27 @@ class RedisRegistry:
             values = await self.client.mget(keys) if keys else []
         except Exception as e:
             raise RegistryUnavailable(str(e)) from e
-        records = [WorkerRecord(**json.loads(v)) for v in values if v is not None]
+        records = [r for r in map(_parse, values) if r is not None]
         return sorted((r for r in records if model is None or r.model == model), key=lambda r: r.worker_id)
 
     async def close(self) -> None:
         await self.client.aclose()
+
+
+def _parse(value: bytes | None) -> WorkerRecord | None:
+    """A record, or None for a value that is not one (anyone holding Redis's password can write
+    one): skipped, so one bad value never stops the gateway from following the others."""
+    if value is None:
+        return None
+    try:
+        record = WorkerRecord(**json.loads(value))
+    except (TypeError, ValueError) as e:
+        log.warning("skipping a registry value that is not a worker record: %s", e)
+        return None
+    if not all(isinstance(getattr(record, f), str) for f in ("worker_id", "role", "model", "address", "version")):
+        log.warning("skipping a registry record with fields of the wrong type")
+        return None
+    return record
 
 
 class MemoryRegistry:

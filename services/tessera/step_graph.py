@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import torch
 
@@ -165,6 +166,9 @@ class StepGraphs:
         self.dropped: set[int] = set()           # row counts whose graph failed its check or a replay
         self.replayed_steps = 0
         self.checked_steps = 0                   # replayed steps checked again (check_every)
+        # The test suite turns a re-check's mismatch into an error: there the step's eager
+        # output would otherwise hide a replay bug from every test that compares tokens.
+        self.strict = os.environ.get("TESSERA_REPLAY_CHECK_STRICT") == "1"
         self.mismatches = 0                      # of those, the ones that differed from the eager step
         self.kept_any = False                    # whether a recording was ever kept (the pool's growth drops them)
         # by address: what the recorded calls point into besides the inputs and the pool
@@ -225,6 +229,8 @@ class StepGraphs:
         else:
             self.mismatches += graph.verified
             self._drop(R, "differs from the eager step" + (" on a re-check" if graph.verified else ""))
+            if graph.verified and self.strict:
+                raise RuntimeError(f"a replayed step of {R} rows differed from the eager step on a re-check")
         return eager
 
     def _capture(self, R: int, batch: ForwardBatch) -> torch.Tensor:

@@ -113,8 +113,8 @@ class Unavailable(WorkerError):
 
 
 class Misconfigured(WorkerError):
-    """The worker refuses this gateway for a reason no retry on it fixes (a wrong cluster token
-    or certificate, a role it does not serve, an RPC it lacks: its deployment's configuration):
+    """The worker refuses this gateway for a reason no retry on it fixes (the gateway's role may
+    not call it, an RPC it lacks, credentials it does not take: its deployment's configuration):
     the pool takes it out of rotation and goes on on another replica; with none left, HTTP 503
     with Retry-After. grpc_status: the status it answered (e.g. "UNAUTHENTICATED")."""
 

@@ -71,7 +71,10 @@ class WorkerPool:
         error: WorkerError = Unavailable("no worker is available for this model")
         while (address := self._pick(tried, state.compat)) is not None:
             tried.add(address)
-            state.compat = state.compat or await self._compat(address)
+            compat = await self._compat(address)
+            if state.compat and compat != state.compat:   # a resumed stream only moves between equals
+                continue
+            state.compat = state.compat or compat
             self.outstanding[address] += 1
             self.routed[address] = self.routed.get(address, 0) + 1
             attempt = state.attempt(request, len(tried))
@@ -89,11 +92,13 @@ class WorkerPool:
             except Misconfigured as e:
                 error = Unavailable("no worker is available for this model")   # the details are for the log
                 self.down_until[address] = time.monotonic() + REFUSED_FOR_S
+                self.compat.pop(address, None)
                 self.failovers += bool(state.generated)
                 log.error("worker %s out of rotation for %.0f s: %s", address, REFUSED_FOR_S, e)
             except Unavailable as e:
                 error = e
                 self.down_until[address] = time.monotonic() + DOWN_FOR_S
+                self.compat.pop(address, None)    # what answers there next is asked again
                 self.failovers += 1
                 log.warning("request %s: %s failed (%s); resuming on another worker", request.request_id,
                             address, e)
@@ -103,7 +108,9 @@ class WorkerPool:
         raise error
 
     async def _compat(self, address: str) -> str | None:
-        """The member's compatibility hash (from the registry, else asked once)."""
+        """The member's compatibility hash, asked of the member itself over mutual TLS (never
+        taken from a registry record, which anyone holding Redis's password can write), once
+        per address until a call to it fails."""
         if address not in self.compat:
             try:
                 self.compat[address] = (await self.clients[address].info(timeout_s=2.0)).compat or ""
@@ -139,10 +146,11 @@ class WorkerPool:
                     # are skipped), never drop from N to 0 on the registry's word alone.
                     log.warning("registry lists no %s workers: keeping %d known", model, len(self.clients))
                 else:
-                    self.compat.update({r.address: r.version for r in records if r.version})
                     self.set_members([r.address for r in records])
             except RegistryUnavailable as e:
                 log.warning("registry unavailable (%s): keeping %d known workers", e, len(self.clients))
+            except Exception:   # never let the watch die: members would stop following the registry
+                log.exception("following the registry failed: keeping %d known workers", len(self.clients))
             await asyncio.sleep(interval_s)
 
     async def close(self) -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import itertools
 import json
 import os
@@ -42,7 +41,7 @@ import time
 import httpx
 import yaml
 
-from tessera.mtls import ENV as TLS_ENV
+from tessera.mtls.links import holding
 
 TESSERA = [sys.executable, "-m", "tessera.cli"]
 REFERENCE = "reference"
@@ -91,20 +90,6 @@ def run_batch(req: pathlib.Path, out: pathlib.Path, a: argparse.Namespace) -> fl
     return float(match.group(1))
 
 
-@contextlib.contextmanager
-def _as_role(certs: pathlib.Path, role: str):
-    """Call the deployment's internal services holding this role's certificate."""
-    old = os.environ.get(TLS_ENV)
-    os.environ[TLS_ENV] = str(certs / role)
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(TLS_ENV, None)
-        else:
-            os.environ[TLS_ENV] = old
-
-
 def stage_compute_s(port: int, stages: int, certs: pathlib.Path) -> list[float]:
     """Seconds each stage of the pipeline behind the gateway on `port` has spent in its own
     layers since it started (plan_topology puts stage j on port + 1 + j): stage 0, a worker,
@@ -121,10 +106,10 @@ def stage_compute_s(port: int, stages: int, certs: pathlib.Path) -> list[float]:
         finally:
             await client.close()
     try:
-        with _as_role(certs, "gateway"):
+        with holding(certs / "gateway"):
             out = [asyncio.run(first())]
         for j in range(1, stages):
-            with _as_role(certs, "pipeline-shard"):
+            with holding(certs / "pipeline-shard"):
                 control = GrpcStageControl(f"127.0.0.1:{port + 1 + j}")
             try:
                 out.append(control.info().compute_s)

@@ -75,8 +75,8 @@ def role_dirs(topology: Topology, scratch: str, certs: str | None) -> dict[str, 
 
 def deployment_name(topology: Topology) -> str:
     """The topology's name as certificates carry it (a DNS label)."""
-    name = "".join(c if c.isalnum() else "-" for c in topology.name.lower()).strip("-")[:63]
-    return name or "tessera"
+    name = "".join(c if c in "abcdefghijklmnopqrstuvwxyz0123456789" else "-" for c in topology.name.lower())
+    return name[:63].strip("-") or "tessera"
 
 
 def _redis_child(scratch: str, password: str) -> tuple[Child, str]:

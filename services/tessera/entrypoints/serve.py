@@ -59,7 +59,10 @@ def main(engine: EngineConfig, gateway: GatewayConfig, admission: AdmissionConfi
     # lookup, which needs no model and stays in the target); the target decodes plainly while
     # it is down, so it is not essential.
     spec = engine.speculative
-    own_draft = spec.draft not in (None, "ngram") and not spec.draft_address
+    if spec.draft_address:
+        raise ConfigError("--draft-address: serve's processes hold certificates of a CA made at start, which no "
+                          "draft worker elsewhere holds; run both under `tessera up` (a draft_worker role)")
+    own_draft = spec.draft not in (None, "ngram")
     worker_args, gateway_args = process_args(engine, gateway, admission, worker_port, grace,
                                              draft_port if own_draft else None)
     with tempfile.TemporaryDirectory(prefix="tessera-serve-") as scratch:

@@ -6,6 +6,8 @@ tls.key: certs.py); without it links are plaintext, which a process allows only 
 unless TESSERA_ALLOW_INSECURE=1 (a test rig, or a network the operator secures otherwise)."""
 from __future__ import annotations
 
+import contextlib
+import datetime
 import inspect
 import ipaddress
 import logging
@@ -17,10 +19,11 @@ from dataclasses import dataclass
 
 import grpc
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 
 from tessera.config import ConfigError
 from tessera.mtls.certs import CA_FILE, CERT_FILE, KEY_FILE
-from tessera.mtls.names import CALLERS, parse_spiffe_id, service_host, service_of_method
+from tessera.mtls.names import CALLERS, ROLES, parse_spiffe_id, service_host, service_of_method
 
 ENV = "TESSERA_TLS_DIR"
 INSECURE_ENV = "TESSERA_ALLOW_INSECURE"
@@ -70,7 +73,51 @@ def load(directory: str | os.PathLike) -> Identity:
     ids = [parsed for parsed in map(parse_spiffe_id, uris) if parsed]
     if len(ids) != 1:
         raise ConfigError(f"{d / CERT_FILE}: needs one URI SAN spiffe://<deployment>.tessera/<role>, has {uris}")
+    _check_usable(d, leaf, ca, key)
     return Identity(str(d), ids[0][0], ids[0][1], ca, cert, key)
+
+
+def _check_usable(d: pathlib.Path, leaf: x509.Certificate, ca_pem: bytes, key_pem: bytes) -> None:
+    """A certificate that could never complete a handshake is a start-up error (exit 78), not a
+    process that says it is ready and then fails every link: its key must be its own, one of
+    ca.crt's CAs must have issued it, and it must be valid now."""
+    from cryptography.hazmat.primitives import serialization
+    try:
+        key = serialization.load_pem_private_key(key_pem, password=None)
+        cas = x509.load_pem_x509_certificates(ca_pem)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{d}: unreadable key or CA ({e})") from None
+    if key.public_key() != leaf.public_key():
+        raise ConfigError(f"{d / KEY_FILE} is not the key of {d / CERT_FILE}")
+    if not any(_issued_by(leaf, ca) for ca in cas):
+        raise ConfigError(f"{d / CERT_FILE} was not issued by a CA in {d / CA_FILE}")
+    now = datetime.datetime.now(datetime.timezone.utc)
+    if not leaf.not_valid_before_utc <= now <= leaf.not_valid_after_utc:
+        raise ConfigError(f"{d / CERT_FILE} is valid from {leaf.not_valid_before_utc:%Y-%m-%d %H:%M} to "
+                          f"{leaf.not_valid_after_utc:%Y-%m-%d %H:%M} UTC, not now")
+
+
+def _issued_by(leaf: x509.Certificate, ca: x509.Certificate) -> bool:
+    try:
+        leaf.verify_directly_issued_by(ca)
+        return True
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+
+
+@contextlib.contextmanager
+def holding(directory: str | os.PathLike):
+    """This process calls (and serves) as the identity in `directory` until the block ends (a
+    tool that talks to a deployment's internal services as one of its roles)."""
+    old = os.environ.get(ENV)
+    os.environ[ENV] = str(directory)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = old
 
 
 def check_bind(host: str) -> None:
@@ -137,7 +184,7 @@ def channel(address: str, service: str, options=(), ident: Identity | None = Non
 def _caller_role(context) -> str | None:
     """The role in the client certificate's SPIFFE id (the handshake already checked the CA)."""
     auth = context.auth_context() or {}
-    for value in auth.get("x509_subject_alternative_name", ()) + auth.get("peer_spiffe_id", ()):
+    for value in [*auth.get("x509_subject_alternative_name", ()), *auth.get("peer_spiffe_id", ())]:
         parsed = parse_spiffe_id(value.decode(errors="replace"))
         if parsed and parsed[0] == identity().deployment:
             return parsed[1]
@@ -159,6 +206,12 @@ _HANDLERS = {(False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler
              (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler)}
 
 
+def _guarded(handler, method: str) -> bool:
+    """Whether a handler needs the role check: not for a service every role of the deployment
+    may call (health), which the handshake already settled; it then runs exactly as registered."""
+    return handler is not None and identity() is not None and CALLERS.get(service_of_method(method)) != ROLES
+
+
 def _rebuilt(handler, behaviour):
     _, make = _HANDLERS[handler.request_streaming, handler.response_streaming]
     return make(behaviour, request_deserializer=handler.request_deserializer,
@@ -170,7 +223,7 @@ class ServerInterceptor(grpc.ServerInterceptor):
     PERMISSION_DENIED before its handler runs."""
     def intercept_service(self, continuation, details):
         handler = continuation(details)
-        if handler is None or identity() is None:
+        if not _guarded(handler, details.method):
             return handler
         inner = getattr(handler, _HANDLERS[handler.request_streaming, handler.response_streaming][0])
 
@@ -187,7 +240,7 @@ class AioServerInterceptor(grpc.aio.ServerInterceptor):
     """grpc.aio servers (workers, attention nodes, draft workers, pipeline stages): the same rule."""
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        if handler is None or identity() is None:
+        if not _guarded(handler, details.method):
             return handler
         inner = getattr(handler, _HANDLERS[handler.request_streaming, handler.response_streaming][0])
 

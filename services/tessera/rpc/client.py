@@ -13,8 +13,9 @@ from tessera.rpc.v1 import worker_pb2, worker_pb2_grpc
 from tessera.worker_api import (GenerateChunk, GenerateInput, InvalidRequest, Misconfigured, Unavailable, WorkerError,
                                 WorkerInfo)
 
-# Statuses no retry on the same worker fixes: it refuses this gateway (a wrong cluster token or
-# certificate, a role it does not serve, an RPC it lacks). The Worker service never answers a
+# Statuses no retry on the same worker fixes: it refuses this gateway (its role may not call it,
+# an RPC it lacks, credentials it does not take). A certificate of another CA fails the TLS
+# handshake instead: UNAVAILABLE, the path of a worker that is down. The Worker service never answers a
 # request with one of them (convert.error_to_status), so each means a configuration error.
 _REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
              grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED)

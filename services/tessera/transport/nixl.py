@@ -2,8 +2,8 @@
 pre-registered slots, each followed by a notification that carries the message header.
 
 Agent metadata is exchanged only over the control plane's mutual-TLS gRPC calls (mtls/), and
-notifications from an agent not announced there are refused. Every endpoint registers, per peer, one region of 2 directions x `slots` slots x `capacity`
-bytes and hands the peer its agent metadata plus the region's address (`metadata_for`, sent
+notifications from an agent not announced there are refused. Every endpoint registers, per
+peer, one region of 2 directions x `slots` slots x `capacity` bytes and hands the peer its agent metadata plus the region's address (`metadata_for`, sent
 over the control channel). A sender writes micro-batch i into slot i % slots only after the
 receiver has released that slot's previous message (MegaScale-Infer's buffer-free step), so a
 slot is never overwritten before its consumer is done, with no barrier and no per-step set-up.

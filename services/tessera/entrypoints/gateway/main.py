@@ -9,6 +9,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from tessera import redis_conn
 from tessera.batch_jobs.config import BatchConfig
 from tessera.entrypoints.gateway.admission import Admission, AdmissionConfig, digest
 from tessera.gc_heap import freeze_startup_heap
@@ -69,12 +70,11 @@ def main(config: GatewayConfig, admission: AdmissionConfig) -> int:
     if registry_url:
         from tessera.registry import RedisRegistry
         registry = RedisRegistry(registry_url, prefix=config.registry_prefix)
-        record = asyncio.run(_wait_for_registered(registry_url, config.registry_prefix,
-                                                  config.served_model_name, config.wait_s))
-        model = record.model
-        pool = WorkerPool(connect, [record.address])
+        address, model = asyncio.run(_wait_for_registered(registry_url, config.registry_prefix,
+                                                           config.served_model_name, config.wait_s))
+        pool = WorkerPool(connect, [address])
         background.append(lambda: pool.watch(registry, model))
-        client, source = pool, f"registry {registry_url}"
+        client, source = pool, f"registry {redis_conn.split_password(registry_url)[0]}"   # no password in output
     else:
         workers = list(config.worker) or [os.environ.get("TESSERA_WORKER", "127.0.0.1:50051")]
         model = asyncio.run(_wait_for_worker(workers, config.wait_s)).model_id
@@ -90,7 +90,9 @@ def main(config: GatewayConfig, admission: AdmissionConfig) -> int:
     return 0
 
 
-async def _wait_for_registered(url: str, prefix: str, model: str | None, wait_s: float):
+async def _wait_for_registered(url: str, prefix: str, model: str | None, wait_s: float) -> tuple[str, str]:
+    """(address, model) of the first registered worker that answers Info over mutual TLS: the
+    model served is what a worker says, never what a record (anyone with Redis's password) says."""
     from tessera.registry import RedisRegistry, RegistryUnavailable, serving
     registry = RedisRegistry(url, prefix=prefix)
     deadline = time.monotonic() + wait_s
@@ -99,14 +101,31 @@ async def _wait_for_registered(url: str, prefix: str, model: str | None, wait_s:
             try:
                 records = serving(await registry.list(model))
                 if records:
-                    return records[0]
+                    info = await _first_answer([r.address for r in records])
+                    if info is not None and (model is None or info[1] == model):
+                        return info
             except RegistryUnavailable:
                 pass
             if time.monotonic() > deadline:
-                raise SystemExit(f"no worker registered in {url} within {wait_s:.0f} s")
+                raise SystemExit(f"no worker registered in {redis_conn.split_password(url)[0]} answered "
+                                 f"within {wait_s:.0f} s")
             await asyncio.sleep(0.5)
     finally:
         await registry.close()
+
+
+async def _first_answer(addresses: list[str]) -> tuple[str, str] | None:
+    from tessera.rpc.client import GrpcWorkerClient
+    from tessera.worker_api import WorkerError
+    for address in addresses:
+        client = GrpcWorkerClient(address)
+        try:
+            return address, (await client.info(timeout_s=2.0)).model_id
+        except WorkerError:
+            continue
+        finally:
+            await client.close()
+    return None
 
 
 async def _wait_for_worker(addresses: list[str], wait_s: float):
