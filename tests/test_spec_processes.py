@@ -25,6 +25,7 @@ from servers import Logged, free_port, redis_server, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MAX_LEN = 2048      # the tiny random llama's context
+CERTS = None        # the speculative stack's certificate directories (set by the stacks fixture)
 
 
 def _openai(url: str):
@@ -40,14 +41,19 @@ def _healthy(url: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def stacks(tiny_models):
+def stacks(tiny_models, tmp_path_factory):
     """(speculative serve, its URL, its draft address, plain URL): two `tessera serve`s of the
-    tiny llama in float32, started side by side."""
+    tiny llama in float32, started side by side; the speculative one with certificates this
+    test holds too (CERTS), so it can call its worker and draft worker."""
+    from tessera.mtls.certs import write_role_dirs
+    global CERTS
+    CERTS = tmp_path_factory.mktemp("certs")
+    write_role_dirs(CERTS, "serve", ("worker", "gateway", "draft-worker"))
     model = tiny_models["llama"]
     spec_port, plain_port, draft_port = free_port(), free_port(), free_port()
     common = ("--model", model, "--dtype", "float32", "--shutdown-grace-s", "2")
     spec = Logged("serve", *common, "--speculative", "self:2", "--port", str(spec_port), "--worker-port",
-                  str(free_port()), "--draft-port", str(draft_port), "--restart-backoff-s", "0.2")
+                  str(free_port()), "--draft-port", str(draft_port), "--restart-backoff-s", "0.2", "--certs", str(CERTS))
     plain = Logged("serve", *common, "--port", str(plain_port), "--worker-port", str(free_port()))
     try:
         spec_url, plain_url = f"http://127.0.0.1:{spec_port}", f"http://127.0.0.1:{plain_port}"
@@ -104,15 +110,22 @@ def test_speculative_serve_answers_exactly_like_plain_decoding(stacks):
         sum(u.completion_tokens_details.accepted_prediction_tokens for _, u in fast.values())
 
     from tessera.rpc.client import GrpcWorkerClient
+    from tessera.mtls.links import holding
     worker = spec.wait_for(r"tessera worker ready on (\S+)")[1]
-    info = asyncio.run(GrpcWorkerClient(worker).info())
+    with holding(CERTS / "gateway"):
+        info = asyncio.run(GrpcWorkerClient(worker).info())
     assert info.speculative == f"self:2 @ {draft}" and info.spec_verify_rounds >= rounds
     assert info.spec_emitted_tokens > info.spec_accepted_tokens > 0
 
 
-def _stub(address: str):
+def _stub(address: str, as_worker: bool = False):
+    """A draft worker's stub: as the stacks' worker (CERTS), or with no certificate."""
+    from tessera import mtls
+    from tessera.mtls.links import load
     from tessera.rpc.v1 import draft_pb2_grpc
-    return draft_pb2_grpc.DraftWorkerStub(grpc.insecure_channel(address))
+    channel = mtls.channel(address, "draft-worker", ident=load(CERTS / "worker")) if as_worker else \
+        grpc.insecure_channel(address)
+    return draft_pb2_grpc.DraftWorkerStub(channel)
 
 
 def _round(stub, request_id: str, round_: int, tokens, num_tokens: int, size: int = 4):
@@ -125,7 +138,7 @@ def _round(stub, request_id: str, round_: int, tokens, num_tokens: int, size: in
 def test_malformed_rounds_are_refused_never_applied_and_the_draft_worker_keeps_serving(stacks):
     from tessera.rpc.v1 import draft_pb2
     _, spec_url, draft, _ = stacks
-    stub = _stub(draft)
+    stub = _stub(draft, as_worker=True)
     before = stub.Info(draft_pb2.DraftInfoRequest(), timeout=10)
     assert (before.role, before.layers, before.vocab_size, before.max_len) == ("draft", 2, 49152, MAX_LEN)
     reply = _round(stub, "probe", 10, [1, 2, 3, 4], 4)           # a new request: the whole sequence

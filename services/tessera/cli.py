@@ -38,7 +38,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from tessera.entrypoints.serve import GATEWAY_FIELDS_SET_BY_SERVE, main
     gateway, admission = _gateway_configs(a, exclude=GATEWAY_FIELDS_SET_BY_SERVE)
     return main(from_args(EngineConfig, a), gateway, admission, a.worker_port, from_args(SupervisorConfig, a),
-                a.draft_port)
+                a.draft_port, a.certs)
 
 
 def cmd_gateway(a: argparse.Namespace) -> int:
@@ -176,6 +176,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-port", type=int, default=int(os.environ.get("TESSERA_WORKER_PORT", 50051)))
     p.add_argument("--draft-port", type=int, default=int(os.environ.get("TESSERA_DRAFT_PORT", 50081)),
                    help="with --speculative (and no --draft-address): the draft worker's port (default: 50081)")
+    p.add_argument("--certs", help="role directories (worker, gateway, draft-worker) of deployment 'serve' (default: new)")
     add_flags(p, SupervisorConfig)
 
 

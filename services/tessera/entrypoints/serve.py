@@ -10,6 +10,7 @@ other local user's process can call the worker or pose as it."""
 from __future__ import annotations
 
 import os
+import pathlib
 import tempfile
 from dataclasses import replace
 
@@ -53,7 +54,7 @@ def draft_worker_args(engine: EngineConfig, draft_port: int, grace_s: float) -> 
 
 
 def main(engine: EngineConfig, gateway: GatewayConfig, admission: AdmissionConfig, worker_port: int,
-         supervisor: SupervisorConfig = SupervisorConfig(), draft_port: int = 50081) -> int:
+         supervisor: SupervisorConfig = SupervisorConfig(), draft_port: int = 50081, certs: str | None = None) -> int:
     grace = supervisor.shutdown_grace_s
     # A draft worker of our own unless --draft-address names one (or the drafter is prompt
     # lookup, which needs no model and stays in the target); the target decodes plainly while
@@ -66,7 +67,8 @@ def main(engine: EngineConfig, gateway: GatewayConfig, admission: AdmissionConfi
     worker_args, gateway_args = process_args(engine, gateway, admission, worker_port, grace,
                                              draft_port if own_draft else None)
     with tempfile.TemporaryDirectory(prefix="tessera-serve-") as scratch:
-        tls = write_role_dirs(scratch, "serve", ("worker", "gateway", "draft-worker"))
+        roles = ("worker", "gateway", "draft-worker")    # certs: a tool (a test) that calls them too
+        tls = {r: pathlib.Path(certs) / r for r in roles} if certs else write_role_dirs(scratch, "serve", roles)
         children = [Child("draft-worker-0", "draft_worker",
                           tessera_argv(draft_worker_args(engine, draft_port, grace)), essential=False,
                           env={TLS_ENV: str(tls["draft-worker"])})] if own_draft else []
