@@ -4,6 +4,7 @@ preemption and with prompt chunks beside decode rows; and the re-check setting
 drifting after its first check."""
 from __future__ import annotations
 
+import gc
 import logging
 
 import pytest
@@ -118,6 +119,8 @@ def test_a_graph_that_drifts_after_its_check_is_caught_by_the_recheck(monkeypatc
     assert "differs from the eager step on a re-check" in caplog.text
     assert unchecked != expected and silent.mismatches == 0 and silent.replayed_steps > 4
     # The suite's strict mode: the re-check's mismatch is an error, not a quiet fallback.
+    del engine, results, graphs, silent    # the engines above, before another one is built
+    gc.collect()
     monkeypatch.setenv("TESSERA_REPLAY_CHECK_EVERY", "1")
     monkeypatch.setenv("TESSERA_REPLAY_CHECK_STRICT", "1")
     engine = Engine(EngineConfig(dtype="float32", num_threads=2, cache=_NO_PREFIX_CACHE))
