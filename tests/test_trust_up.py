@@ -31,7 +31,7 @@ class Listener:
 
     def __init__(self) -> None:
         self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port, self.received = self.sock.getsockname()[1], bytearray()
+        self.port, self.received, self.connections = self.sock.getsockname()[1], bytearray(), 0
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
@@ -40,13 +40,17 @@ class Listener:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
-            with conn:
-                conn.settimeout(1.0)
-                try:
-                    while chunk := conn.recv(65536):
+            self.connections += 1
+            conn.settimeout(2.0)
+            try:
+                with self._open(conn) as stream:
+                    while chunk := stream.recv(65536):
                         self.received += chunk
-                except OSError:
-                    pass
+            except OSError:      # ssl.SSLError too
+                conn.close()
+
+    def _open(self, conn: socket.socket) -> socket.socket:
+        return conn
 
 
 def _cmdlines() -> list[str]:
@@ -116,23 +120,10 @@ class Insider(Listener):
         self.ctx.load_cert_chain(role_dir / "tls.crt", role_dir / "tls.key")
         self.ctx.load_verify_locations(role_dir / "ca.crt")
         self.ctx.verify_mode = ssl.CERT_REQUIRED
-        self.connections = 0
         super().__init__()
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.connections += 1
-            conn.settimeout(2.0)
-            try:
-                with self.ctx.wrap_socket(conn, server_side=True) as tls:
-                    while chunk := tls.recv(65536):
-                        self.received += chunk
-            except (OSError, ssl.SSLError):
-                conn.close()
+    def _open(self, conn: socket.socket) -> socket.socket:
+        return self.ctx.wrap_socket(conn, server_side=True)
 
 
 async def _planted_and_served(insider: Insider, outsider: Listener, redis_url: str, client) -> None:
