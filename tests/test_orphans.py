@@ -130,7 +130,10 @@ def test_up_sigkilled_while_restarting_a_worker_leaves_no_process_and_no_port(tm
         for i in range(2):
             up.wait_for(rf"tessera worker ready on 127.0.0.1:{worker_port + i}", 240)
         redis_port = int(up.wait_for(r"tessera up: registry redis://[^:]*:(\d+)")[1])
-        os.kill(up.pid("worker-0"), signal.SIGKILL)
+        try:
+            os.kill(up.pid("worker-0"), signal.SIGKILL)
+        except ProcessLookupError:
+            pytest.fail("worker-0 exited on its own before the test killed it:\n" + "\n".join(up.lines[-60:]))
         up.wait_for(r"worker-0 pid \d+ \(restart 1\)", 10)
         up.proc.kill()             # the new worker-0 is starting
         up.proc.wait()
