@@ -1,12 +1,12 @@
 """Pipeline stages inside one process (the in-process twin of `tessera pipeline-shard`): greedy
 tokens of 1, 2 and 3 stages equal to a single process with the same per-layer precisions
-(papers.md §4.10 invariant 3; mixed [16, 8, 4, 3, 8, 16] and 16-bit, float32 and bfloat16),
-and micro-batched stages equal to the same micro-batches in one process, over the local
-transport and over tcp; stages read only their layers; a stage refuses a pipeline it does not
-fit; a memory budget it exceeds stops it before its cache exists; a failed step fails its
-requests at once and the ring is relinked for the next one; the twin and the gRPC client are
-one StageControl (mypy); the hybrid micro-batch rule, the stage wire format, and pipeline
-topologies (expansion into stage processes, bad files refused)."""
+(docs/design/pipeline.md#invariants, rule 3; mixed [16, 8, 4, 3, 8, 16] and 16-bit, float32 and
+bfloat16), and micro-batched stages equal to the same micro-batches in one process, over the local
+transport and over tcp; stages read only their layers; a stage refuses a pipeline it does not fit;
+a memory budget it exceeds stops it before its cache exists; a failed step fails its requests at
+once and the ring is relinked for the next one; the twin and the gRPC client are one StageControl
+(mypy); the hybrid micro-batch rule, the stage wire format, and pipeline topologies (expansion into
+stage processes, bad files refused)."""
 from __future__ import annotations
 
 import json

@@ -16,7 +16,8 @@ SMOL = ModelShape("smollm2", "llama", 30, 576, 1536, 9, 3, 64, 49152)
 
 
 def test_memory_model_uses_the_real_layer_shapes():
-    """SmolLM2-135M (papers.md §4.11): 0.88 M attention + 2.65 M MLP parameters per layer."""
+    """SmolLM2-135M (docs/design/pipeline.md#virtual-devices): 0.88 M attention + 2.65 M MLP
+    parameters per layer."""
     attn = sum(a * b for n, a, b in SMOL.linears() if n in "qkvo")
     mlp = sum(a * b for n, a, b in SMOL.linears() if n in ("gate", "up", "down"))
     assert (attn, mlp) == (884_736, 2_654_208)

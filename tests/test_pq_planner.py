@@ -50,7 +50,8 @@ def splits(layers: int, devices: int):
 
 
 def reference_objective(t: Tables, device, bits, kind: str) -> float:
-    """The objective of papers.md §4.5 (or 'rounds'), written out again for the brute force."""
+    """The objective of docs/design/pipeline.md#objective (or 'rounds'), written out again for
+    the brute force."""
     n = t.devices
     pre = [t.pre0 if j == t.prepost_stage else 0.0 for j in range(n)]
     dec = [t.dec0 if j == t.prepost_stage else 0.0 for j in range(n)]

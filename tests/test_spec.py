@@ -1,5 +1,6 @@
 """Speculative decoding in one process: draft trees, the evolving tree cache, and the target
-engine's tree verification give exactly what plain decoding gives (papers.md §3.9)."""
+engine's tree verification give exactly what plain decoding gives
+(docs/design/speculative.md#invariants)."""
 from __future__ import annotations
 
 import random

@@ -110,9 +110,10 @@ def _saturating(q: float, hit: float = 0.6):
 @pytest.mark.parametrize("t_target, t_draft, r", [(10.48, 3.25, 3), (12, 3, 4), (10, 4, 2), (6, 4, 1),
                                                   (20, 2.5, 8)])
 def test_depth_rule_matches_the_paper_and_brute_force(t_target, t_draft, r):
-    """d in {floor(t_target / t_draft), + 1} (§3.2), the faster of the two under the simulator,
-    equals the best d of 1..12 by brute force, for acceptance curves that saturate slowly or fast
-    and with or without message cost (both candidates win somewhere in this grid)."""
+    """d in {floor(t_target / t_draft), + 1} (docs/design/speculative.md#simulator), the faster of
+    the two under the simulator, equals the best d of 1..12 by brute force, for acceptance curves
+    that saturate slowly or fast and with or without message cost (both candidates win somewhere in
+    this grid)."""
     chosen = set()
     for q, comm in itertools.product((0.3, 0.5, 0.7), (0.0, 1.0)):
         p = SpecProfile({1: 0.8 * t_draft * MS, 8: t_draft * MS}, {1: 0.7 * t_target * MS, 8: t_target * MS},

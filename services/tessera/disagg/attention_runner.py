@@ -3,10 +3,10 @@ keeps embeddings, attention halves, KV cache, FFN norms, routers, shared experts
 head, and sends each layer's FFN compute to the expert nodes over the M2N transport. The
 layers themselves are models/driver.layer_steps, paused at each FFN compute.
 
-Ping-pong (MegaScale-Infer §3.3): the step's requests are split into m micro-batches that
-move through the layers one behind the other: micro-batch i runs layer l's attention as soon
-as its layer l-1 reply is back, so the expert nodes compute micro-batch i while this node runs
-attention for micro-batch i + 1 (or for micro-batch 0 of the next layer).
+Ping-pong (docs/design/disaggregation.md#ping-pong): the step's requests are split into m
+micro-batches that move through the layers one behind the other: micro-batch i runs layer l's
+attention as soon as its layer l-1 reply is back, so the expert nodes compute micro-batch i while
+this node runs attention for micro-batch i + 1 (or for micro-batch 0 of the next layer).
 
 A step that fails (an expert node rejected a message, died, or did not answer within
 timeout_s) raises; the engine fails that step's requests, and the next step first

@@ -5,8 +5,9 @@ attention nodes per expert node, and the simulator, fed by the profile, picks th
 count m and batch B with the best predicted throughput under the SLO. The topology it writes
 carries B (max_num_seqs, a step budget and a KV cache for B requests of --context-len
 tokens), so `tessera up` runs the plan as planned. Without --profile, it runs
-Algorithm 1 for a GPU-scale model over papers.md §1.5's GPU table (homogeneous and
-heterogeneous pairs). Both are predictions; the README says which numbers were measured.
+Algorithm 1 for a GPU-scale model over MegaScale-Infer's GPU table, homogeneous and
+heterogeneous pairs (docs/design/disaggregation.md#plan-search). Both are predictions; the
+measured numbers are in docs/benchmarks/disaggregation.md.
 """
 from __future__ import annotations
 

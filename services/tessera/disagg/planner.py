@@ -1,9 +1,10 @@
-"""`tessera plan afd`: MegaScale-Infer's deployment plan search (papers.md §1.4, Algorithm 1).
+"""`tessera plan afd`: MegaScale-Infer's deployment plan search, Algorithm 1
+(docs/design/disaggregation.md#plan-search).
 
 Search over (tp_a, tp_e, n_a, m, B) for the best decode throughput per unit cost under a
 time-between-tokens SLO, with the paper's performance model:
 - per-device linear fits T_a = k1 b_a + k2, T_e = k3 b_e + k4 (here from a roofline of each
-  GPU of papers.md §1.5's table, sampled and fitted; from `tessera profile` on this machine),
+  GPU of MegaScale-Infer's table, sampled and fitted; from `tessera profile` on this machine),
 - token conservation b_a m n_a = b_e m E / K = B, BALANCE n_a = k1 E / (k3 K),
 - T_c = max(b_a h K / tp_a / W_a, b_e h / tp_e / W_e) (bf16 activations, link bandwidth W),
 - constraints T_c < T_f and m T_f >= 2 (T_f + T_c), the attention memory bound (Eq. 8),
@@ -29,7 +30,8 @@ class Gpu:
     net_gbs: float = 50.0   # per-GPU NIC: 400 Gb/s
 
 
-GPUS = {g.name: g for g in (          # papers.md §1.5 (MegaScale-Infer Table 3)
+# MegaScale-Infer Table 3 (docs/design/disaggregation.md#gpu-table)
+GPUS = {g.name: g for g in (
     Gpu("L20", 1.00, 48, 864, 119.5), Gpu("H800", 5.28, 80, 3430.4, 989), Gpu("A800", 2.26, 80, 2039, 312),
     Gpu("H20", 1.85, 96, 4096, 148), Gpu("L40S", 1.08, 48, 864, 362))}
 
@@ -47,7 +49,9 @@ class MoeShape:
     vocab: int = 32000
 
 
-MODELS = {m.name: m for m in (        # papers.md §1.8 (Table 4) and a median 571 + 159 token trace
+# MegaScale-Infer Table 4 and a median 571 + 159 token trace
+# (docs/design/disaggregation.md#gpu-table)
+MODELS = {m.name: m for m in (
     MoeShape("mixtral-8x22b", 56, 6144, 16384, 8, 2, 6, 730),
     MoeShape("dbrx", 40, 6144, 10752, 16, 4, 8, 730),
     MoeShape("scaled-moe", 48, 8192, 8192, 32, 4, 8, 730))}

@@ -1,4 +1,4 @@
-"""Discrete-event simulator of the ping-pong schedule (MegaScale-Infer §3.3, papers.md §1.3).
+"""Discrete-event simulator of the ping-pong schedule (docs/design/disaggregation.md#simulator).
 
 Each attention node is one server that runs, for layer l and micro-batch i, the attention
 half (T_a of b/m tokens) as soon as micro-batch i's layer l-1 reply is back, in the order our

@@ -1,8 +1,8 @@
-"""The draft worker process (SwiftSpec, papers.md §3.2): load the draft model (a self:K draft
-loads the target and runs its first K layers), keep every request's draft tree growing on a
-background thread (spec.proposer.AsyncProposer) while the target verifies, and serve
-tessera.rpc.v1.DraftWorker (rpc/draft_server.py) and grpc.health.v1. A target worker reaches
-it with `--draft-address`; it registers with role "draft", which the gateway never routes to."""
+"""The draft worker process (SwiftSpec, docs/design/speculative.md#roles): load the draft model (a
+self:K draft loads the target and runs its first K layers), keep every request's draft tree growing
+on a background thread (spec.proposer.AsyncProposer) while the target verifies, and serve
+tessera.rpc.v1.DraftWorker (rpc/draft_server.py) and grpc.health.v1. A target worker reaches it
+with `--draft-address`; it registers with role "draft", which the gateway never routes to."""
 from __future__ import annotations
 
 import asyncio

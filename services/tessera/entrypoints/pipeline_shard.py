@@ -1,9 +1,10 @@
-"""The pipeline stage process (`tessera pipeline-shard`, LLM-PQ, papers.md §4.6). Stage 0 is a
-worker: it serves tessera.rpc.v1.Worker to the gateway with a PipelineRunner, links the later
-stages (--shard) at start-up (pipeline/first_stage.py) and registers as a worker. A later stage
-loads only its layers (pipeline/shard.py), serves tessera.rpc.v1.PipelineShard (control only)
-and grpc.health.v1, registers with role "pipeline_shard" (which the gateway never routes to)
-and, with --metrics-port, serves the tessera_pipeline_shard_* metrics."""
+"""The pipeline stage process (`tessera pipeline-shard`, LLM-PQ:
+docs/design/pipeline.md#micro-batches). Stage 0 is a worker: it serves tessera.rpc.v1.Worker to the
+gateway with a PipelineRunner, links the later stages (--shard) at start-up
+(pipeline/first_stage.py) and registers as a worker. A later stage loads only its layers
+(pipeline/shard.py), serves tessera.rpc.v1.PipelineShard (control only) and grpc.health.v1,
+registers with role "pipeline_shard" (which the gateway never routes to) and, with --metrics-port,
+serves the tessera_pipeline_shard_* metrics."""
 from __future__ import annotations
 
 import asyncio

@@ -1,1 +1,2 @@
-"""LLM-PQ: phase-aware pipeline partition and per-layer quantization planning (papers.md §4)."""
+"""LLM-PQ: phase-aware pipeline partition and per-layer quantization planning
+(docs/design/pipeline.md)."""

@@ -1,12 +1,13 @@
-"""LLM-PQ's cost models (papers.md §4.3): what a decoder layer costs in bytes and seconds.
+"""LLM-PQ's cost models (docs/design/pipeline.md#memory-model, #latency-model,
+#communication-model): what a decoder layer costs in bytes and seconds.
 
 - memory: one layer's weights at a bit-width (scales included, from the model's real linear
   shapes), its KV cache for the whole global batch at full length s + n, per-stage temporaries
   and stage 0's extras (embedding, LM head, logits);
-- latency, per device type and bit-width: least-squares regressions fitted on profiled layer
-  times (prefill features b, s, b·s, b·s², 1; decode b·(s+i), b, i, 1), evaluated only inside
-  the profiled box (papers.md §4.9), or a roofline of a published GPU (simulated:
-  pipeline/roofline.py);
+- latency, per device type and bit-width: least-squares regressions fitted on profiled layer times
+  (prefill features b, s, b·s, b·s², 1; decode b·(s+i), b, i, 1), evaluated only inside the
+  profiled box (docs/design/pipeline.md#extrapolation), or a roofline of a published GPU
+  (simulated: pipeline/roofline.py);
 - communication per device pair: t = a + bytes / bandwidth.
 Plain Python: the planner never imports torch.
 """
@@ -112,7 +113,7 @@ def linear_bytes(fan_in: int, fan_out: int, bits: int, group_size: int = 32, int
 
 @dataclass(frozen=True)
 class MemoryModel:
-    """Bytes per layer and per stage (FlexGen-style, papers.md §4.3)."""
+    """Bytes per layer and per stage (FlexGen-style, docs/design/pipeline.md#memory-model)."""
     shape: ModelShape
     group_size: int = 32
     int3_as_int4: bool = False
@@ -193,7 +194,8 @@ def _features(phase: str, rows_per_pass: int, b: float, s: float, i: float) -> t
 class Regression:
     """A latency fit: seconds = coef · features(b, s, i). Inputs are clamped into the profiled
     box [lo, hi] (per variable) and the result never drops below the fastest measured time, so a
-    query outside the profile neither extrapolates a quadratic nor goes negative (§4.9)."""
+    query outside the profile neither extrapolates a quadratic nor goes negative
+    (docs/design/pipeline.md#extrapolation)."""
     phase: str
     coef: tuple[float, ...]
     lo: tuple[float, float, float]

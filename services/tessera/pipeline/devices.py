@@ -23,7 +23,8 @@ import yaml
 from tessera.pipeline.costmodel import GpuSpec, Link
 
 SPECS_FILE = pathlib.Path(__file__).with_name("gpu_specs.yaml")
-# papers.md §4.3: usable = 0.95 x memory - (430 MB CUDA context + 1.5 GB torch temporaries)
+# usable = 0.95 x memory - (430 MB CUDA context + 1.5 GB torch temporaries):
+# docs/design/pipeline.md#gpu-memory
 GPU_USABLE, GPU_RESERVED = 0.95, (430 + 1500) * 2 ** 20
 
 
@@ -36,8 +37,8 @@ def load_gpu_specs() -> dict[str, GpuSpec]:
 @dataclass(frozen=True)
 class Device:
     """One pipeline stage's device. `slowdown` multiplies its latency model (emulating a slower
-    device of the same kind on this machine, papers.md §4.11); memory_gib is its memory (a GPU's
-    usable share is taken by budget_bytes)."""
+    device of the same kind on this machine: docs/design/pipeline.md#virtual-devices);
+    memory_gib is its memory (a GPU's usable share is taken by budget_bytes)."""
     name: str
     type: str
     memory_gib: float
@@ -55,8 +56,8 @@ class Device:
             raise ValueError(f"device {self.name}: memory_gib and slowdown must be > 0")
 
     def budget_bytes(self) -> float:
-        """Bytes the plan may use: a GPU's usable share (papers.md §4.3); a profiled (CPU) device
-        is a virtual budget, all of it."""
+        """Bytes the plan may use: a GPU's usable share (docs/design/pipeline.md#gpu-memory); a
+        profiled (CPU) device is a virtual budget, all of it."""
         if self.gpu is not None:
             return GPU_USABLE * self.memory_gib * 2 ** 30 - GPU_RESERVED
         return self.memory_gib * 2 ** 30

@@ -1,10 +1,10 @@
-"""LLM-PQ's faster heuristic (`--efficient`, papers.md §4.5): start from the adabits assignment
-(least Σω that fits), then repeatedly relieve the straggler (the stage with the largest weighted
-time) toward the pioneer (the smallest): shift a layer along the pipeline from one to the other,
-alone or with a conversion that makes room or spends it (the paper's "one 16-bit layer <-> two
-lower-bit layers" patterns), or move one layer of any stage one bit-width up or down (every
-stage counts in the objective's Σ_j T_j, not only the straggler). A move is kept when memory holds
-and the objective (latency + θ·Σω) improves; the best move of each round is taken.
+"""LLM-PQ's faster heuristic (`--efficient`, docs/design/pipeline.md#heuristic): start from the
+adabits assignment (least Σω that fits), then repeatedly relieve the straggler (the stage with the
+largest weighted time) toward the pioneer (the smallest): shift a layer along the pipeline from one
+to the other, alone or with a conversion that makes room or spends it (the paper's "one 16-bit
+layer <-> two lower-bit layers" patterns), or move one layer of any stage one bit-width up or down
+(every stage counts in the objective's Σ_j T_j, not only the straggler). A move is kept when memory
+holds and the objective (latency + θ·Σω) improves; the best move of each round is taken.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""LLM-PQ's inner ILP (papers.md §4.5) for one device order and prefill micro-batch size, with
-PuLP + CBC, and the two baseline ILPs (PipeEdge: bottleneck decode stage at one bit-width;
-adabits: least quality loss). `Tables` holds every cost the ILP sees; `evaluate` computes a
-given assignment's stage times and objective in plain Python (plans, baselines, heuristic).
+"""LLM-PQ's inner ILP (docs/design/pipeline.md#ilp) for one device order and prefill micro-batch
+size, with PuLP + CBC, and the two baseline ILPs (PipeEdge: bottleneck decode stage at one
+bit-width; adabits: least quality loss). `Tables` holds every cost the ILP sees; `evaluate`
+computes a given assignment's stage times and objective in plain Python (plans, baselines,
+heuristic).
 
 Binary z[i,j,b] = layer i on device j at bit b, x[i,j], y[i,b] its marginals:
   each layer one device and one bit; memory Σ z·M[b] <= budget_j per device; layer 0 on device
@@ -259,8 +260,8 @@ def _stage_bits(t: Tables, device, counts, K, y) -> tuple[int, ...]:
 
 def solve(t: Tables, objective: str = "paper", time_limit_s: float = 60.0, gap: float = 0.0,
           warm: Assignment | None = None) -> Solution:
-    """LLM-PQ: the assignment minimizing the objective (papers.md §4.5). gap: relative optimality
-    gap at which CBC may stop; warm: a feasible assignment to start from."""
+    """LLM-PQ: the assignment minimizing the objective (docs/design/pipeline.md#objective).
+    gap: relative optimality gap at which CBC may stop; warm: a feasible assignment to start from."""
     if objective not in ("paper", "rounds"):
         raise ValueError(f"objective must be 'paper' or 'rounds', not {objective!r}")
     prob, z, x, y, c, u, K = _base(t, t.bits, "llm_pq")

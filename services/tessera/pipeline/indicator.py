@@ -1,5 +1,6 @@
-"""Quantization-sensitivity indicator ω[layer, bits] (LLM-PQ's "variance indicator", papers.md
-§4.4), for `tessera plan pq`: lower ω = the layer loses less at that bit-width.
+"""Quantization-sensitivity indicator ω[layer, bits] (LLM-PQ's "variance indicator",
+docs/design/pipeline.md#indicator), for `tessera plan pq`: lower ω = the layer loses less at that
+bit-width.
 
 Three forms, all from calibration text (quality.py's first half of pydoc_data.topics):
 

@@ -1,6 +1,6 @@
 """A stage's memory: the bytes of the weights it holds (as loaded: quantized layers count their
 codes and scales) and of its KV cache (its layers only), checked against --memory-gib before
-the cache is allocated (papers.md §4.10: memory per device within its budget)."""
+the cache is allocated (docs/design/pipeline.md#invariants: memory per device within its budget)."""
 from __future__ import annotations
 
 import torch

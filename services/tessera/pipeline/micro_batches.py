@@ -1,5 +1,6 @@
-"""LLM-PQ's hybrid micro-batch rule (papers.md §4.6), applied to one engine step: the step's
-entries are split into micro-batches that follow each other through the pipeline stages.
+"""LLM-PQ's hybrid micro-batch rule (docs/design/pipeline.md#micro-batches), applied to one engine
+step: the step's entries are split into micro-batches that follow each other through the pipeline
+stages.
 
     decode entries (one new token each)   -> m micro-batches of ceil(B / m)  (m: the stage count
                                              by default, so that every stage has one to work on)

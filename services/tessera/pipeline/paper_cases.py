@@ -1,8 +1,9 @@
-"""LLM-PQ's eleven cluster cases (papers.md §4.8, from the prototype's run scripts), planned
-with the roofline latency of each GPU's datasheet: SIMULATED, no GPU is measured. For each case,
-LLM-PQ against the uniform, PipeEdge and adabits baselines (predicted tokens/s and Σω), and the
-average and largest LLM-PQ throughput ratio over each baseline. The paper's 2.26x / 2.88x came from real
-runs and cannot be reproduced here; these are our cost models' own predictions.
+"""LLM-PQ's eleven cluster cases (from the prototype's run scripts;
+docs/design/pipeline.md#paper-cases), planned with the roofline latency of each GPU's datasheet:
+SIMULATED, no GPU is measured. For each case, LLM-PQ against the uniform, PipeEdge and adabits
+baselines (predicted tokens/s and Σω), and the average and largest LLM-PQ throughput ratio over
+each baseline. The paper's speed-ups came from real runs and cannot be reproduced here; these
+are our cost models' own predictions.
 
 Fixed assumptions: global batch 32, s = 512, n = 100 (case 2: s = 128, n = 200); the kernels the
 prototype ran at each bit-width (roofline.KERNELS), its GPTQ layers quantized per output
@@ -120,7 +121,7 @@ def run_all(cases=CASES, **kw) -> tuple[list[dict], dict]:
 
 
 def print_table(rows: list[dict], summary: dict) -> None:
-    print("LLM-PQ cluster cases (papers.md §4.8) -- SIMULATED: roofline latency from GPU datasheets, no GPU measured")
+    print("LLM-PQ cluster cases -- SIMULATED: roofline latency from GPU datasheets, no GPU measured")
     names = list(rows[0]["methods"])
     print(f"{'case':>4s} {'model':10s} {'devices':26s} " + " ".join(f"{n[:18]:>18s}" for n in names) + "  vs uniform")
     for r in rows:

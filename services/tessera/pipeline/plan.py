@@ -1,8 +1,8 @@
 """A pipeline plan (what every planner method returns, what `tessera plan pq` writes) and its
-validator, papers.md §4.10 invariant 1: every layer once, contiguous stages in pipeline order,
-the first and last layers on the first and last stages, and every device's memory (its layers'
-weights at their bit-widths, full-length KV for all decode micro-batches, temporaries, the
-embedding on stage 0 and the LM head on the stage the runtime keeps it: CostModel.head_stage)
+validator, docs/design/pipeline.md#invariants rule 1: every layer once, contiguous stages in
+pipeline order, the first and last layers on the first and last stages, and every device's memory
+(its layers' weights at their bit-widths, full-length KV for all decode micro-batches, temporaries,
+the embedding on stage 0 and the LM head on the stage the runtime keeps it: CostModel.head_stage)
 within its budget.
 """
 from __future__ import annotations

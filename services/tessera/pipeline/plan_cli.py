@@ -1,9 +1,9 @@
 """`tessera plan pq`: LLM-PQ's plan for a device inventory, beside the PipeEdge, uniform and
 adabits baselines planned in the same framework; writes the plan as JSON (the pipeline runtime
-reads its "bits" and "stages"). `--paper-cases` plans papers.md §4.8's eleven GPU clusters
-instead (paper_cases.py). Every time and throughput printed is a prediction of the cost models:
-'profiled' where a device's latency comes from `tessera profile pq`, 'simulated (roofline)'
-where it comes from a GPU's datasheet.
+reads its "bits" and "stages"). `--paper-cases` plans LLM-PQ's eleven GPU clusters instead
+(paper_cases.py; docs/design/pipeline.md#paper-cases). Every time and throughput printed is a
+prediction of the cost models: 'profiled' where a device's latency comes from `tessera profile pq`,
+'simulated (roofline)' where it comes from a GPU's datasheet.
 
 ω (the quality indicator) comes from --indicator (`tessera indicator`'s JSON: {"bits": [...],
 "omega": [[per bit] per layer]}). Without one, a fallback of the paper's formula with unit
@@ -50,7 +50,7 @@ def add_args(p) -> None:
     p.add_argument("--out", default="plan.json")
     p.add_argument("--topology", default=None, help="also write a topology file that `tessera up` runs (profiled "
                                                    "devices: one pipeline stage each on this machine)")
-    p.add_argument("--paper-cases", action="store_true", help="plan papers.md §4.8's 11 clusters (simulated)")
+    p.add_argument("--paper-cases", action="store_true", help="plan LLM-PQ's 11 GPU clusters (simulated)")
     p.add_argument("--json", action="store_true", help="with --paper-cases: print JSON")
 
 

@@ -1,10 +1,11 @@
-"""LLM-PQ's outer loop (papers.md §4.5) and its baselines, all in one framework.
+"""LLM-PQ's outer loop (docs/design/pipeline.md#outer-loop) and its baselines, all in one framework.
 
 For every candidate (device order, prefill micro-batch ξ) the cost models give `Tables`; a
 method turns them into an assignment; the plan kept is the method's best candidate:
 - orders: permutations of device *types* (devices of a type stay together, in file order);
 - decode micro-batch ⌈B/N⌉; ξ among the divisors of ⌈B/N⌉, 1 excluded unless it is the only
-  one (a regression fitted on larger batches is least trusted there, §4.9);
+  one (a regression fitted on larger batches is least trusted there:
+  docs/design/pipeline.md#extrapolation);
 - 'llm-pq': the ILP (ilp.solve), or with efficient=True the straggler/pioneer heuristic; kept by
   objective;
 - 'pipeedge': highest uniform bit-width with a partition that fits, partition minimizing the

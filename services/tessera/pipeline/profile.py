@@ -1,8 +1,9 @@
 """`tessera profile pq`: the latency profile of one device type (this CPU at --threads) for the
-LLM-PQ planner (papers.md §4.3): decoder layers timed per bit-width for prefill and decode,
-fitted per bit-width (costmodel.Regression; decode one per kernel regime, costmodel.Piecewise),
-plus the embedding and head; held-out points report the fits' error (§4.10 invariant 4). Timed
-as a stage runs: weights cold, beside busy neighbours (README, "Profiled as a stage runs").
+LLM-PQ planner (docs/design/pipeline.md#latency-model): decoder layers timed per bit-width for
+prefill and decode, fitted per bit-width (costmodel.Regression; decode one per kernel regime,
+costmodel.Piecewise), plus the embedding and head; held-out points report the fits' error
+(docs/design/pipeline.md#invariants, rule 4). Timed as a stage runs: weights cold, beside busy
+neighbours (docs/design/pipeline.md#profiling).
 """
 from __future__ import annotations
 

@@ -24,9 +24,10 @@ class Kernel:
     math: str
 
 
-# The prototype's bit-widths {3, 4, 8:tc-li, 16} (papers.md §4.7), as LPTorch builds them
-# (github.com/tonyzhao-jt/LPTorch, lptorch/AdaQLinear.py, lptorch/extern_qlinear_constructor.py).
-# Structure read from the kernels' source, not fitted: no number here is tuned to a result.
+# The prototype's bit-widths {3, 4, 8:tc-li, 16} (docs/design/pipeline.md#roofline), as LPTorch
+# builds them (github.com/tonyzhao-jt/LPTorch, lptorch/AdaQLinear.py,
+# lptorch/extern_qlinear_constructor.py). Structure read from the kernels' source, not fitted: no
+# number here is tuned to a result.
 KERNELS = {
     16: Kernel("torch FP16 GEMM", 0.0, None, False, "fp16"),
     # bitsandbytes Linear8bitLt (LLM.int8(), threshold 6.0) with state.force_no_igemmlt = True: every

@@ -1,4 +1,5 @@
-"""The acceptance rule of tree verification (papers.md §3.4), apart from any tensor code."""
+"""The acceptance rule of tree verification (docs/design/speculative.md#acceptance), apart from
+any tensor code."""
 from __future__ import annotations
 
 from typing import Callable

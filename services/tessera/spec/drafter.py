@@ -1,4 +1,5 @@
-"""One request's draft model state: the evolving tree cache of SwiftSpec (papers.md §3.3).
+"""One request's draft model state: the evolving tree cache of SwiftSpec
+(docs/design/speculative.md#evolving-tree-cache).
 
 The draft's KV cache is one contiguous run of slots per layer, `[verified prefix | tree]`:
 slots [0, P) hold the verified tokens in order, slots P.. the expanded tree nodes in the order

@@ -1,8 +1,9 @@
 """Where the target engine gets its draft trees: the Proposer protocol and its in-process forms.
 
 Each round the engine tells the proposer which tokens it emitted for a request and gets back
-the subtree to verify next (papers.md §3.2). `SerialProposer` drafts inside that call (draft,
-then verify, then draft: the serial baseline, and the in-process twin of a draft worker);
+the subtree to verify next (docs/design/speculative.md#tree-growth). `SerialProposer` drafts
+inside that call (draft, then verify, then draft: the serial baseline, and the in-process twin
+of a draft worker);
 `AsyncProposer` keeps expanding every request's tree on its own thread while the target
 verifies and only re-roots and picks the subtree inside the call (what a draft worker runs;
 rpc/draft_client.py speaks to one over gRPC and satisfies the same protocol).

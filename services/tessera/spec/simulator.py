@@ -1,4 +1,4 @@
-"""Round-level cost model of tree speculative decoding (SwiftSpec, papers.md §3.2 and §6).
+"""Round-level cost model of tree speculative decoding (docs/design/speculative.md#simulator).
 
 Fed by a profile (t_draft(w), t_target(bs), the miss cost, per-round overheads; spec/profile.py
 measures one) and by the measured distribution of tokens emitted per round (accepted + 1), it
@@ -160,8 +160,9 @@ def tok_s(mode: str, p: SpecProfile, s: Shape, rounds: Rounds) -> float:
 
 
 def depth_candidates(p: SpecProfile, bs: int, w: int) -> tuple[int, int]:
-    """The paper's rule (§3.2): r = floor((t_target(bs) + t_comm) / t_draft(w)) expansions fit
-    in the time the target verifies; try r and r + 1 (r at least 1)."""
+    """SwiftSpec's rule (docs/design/speculative.md#tree-growth): r = floor((t_target(bs) + t_comm)
+    / t_draft(w)) expansions fit in the time the target verifies; try r and r + 1 (r at least
+    1)."""
     r = max(1, math.floor((p.target(bs) + p.t_comm) / p.draft(w)))
     return r, r + 1
 
@@ -182,16 +183,16 @@ def best_depth(p: SpecProfile, bs: int, w: int, rounds_at: RoundsAt, depths: Seq
 
 def latency_bound_size(times: Mapping[int, float], tolerance: float = 0.1) -> int:
     """The largest measured size whose time is within `tolerance` of the smallest size's: the
-    paper picks bs and w where a bigger batch stops being (almost) free (§3.2: batch 4 is no
-    faster than 8; 16 costs +29 %)."""
+    paper picks bs and w where a bigger batch stops being (almost) free
+    (docs/design/speculative.md#tree-growth)."""
     base = times[min(times)]
     return max(n for n, t in times.items() if t <= (1 + tolerance) * base)
 
 
-# The paper's ablation (SwiftSpec §4.3, Table 7; papers.md §3.7): Qwen2-72B target, Qwen2-1.5B
-# draft, int4 AWQ, 8 x H800, bs = w = 8 (§3.1.3). Serial: both models on all 8 GPUs, in turn;
-# parallel: target on 6 GPUs, draft on 2. Times in seconds; the serial draft is 3.73 ms in the
-# table (3.72 in the text).
+# The paper's ablation (SwiftSpec §4.3, Table 7; docs/design/speculative.md#paper-ablation):
+# Qwen2-72B target, Qwen2-1.5B draft, int4 AWQ, 8 x H800, bs = w = 8 (§3.1.3). Serial: both models
+# on all 8 GPUs, in turn; parallel: target on 6 GPUs, draft on 2. Times in seconds; the serial
+# draft is 3.73 ms in the table (3.72 in the text).
 PAPER_DATASETS = ("Alpaca", "GSM8K", "HumanEval", "MT-Bench", "QA", "Summarization")
 PAPER_ACCEPTANCE = {"serial": (3.28, 4.2, 4.04, 3.42, 3.12, 3.72),
                     "disaggregated": (2.92, 3.78, 3.92, 3.11, 2.74, 3.56)}

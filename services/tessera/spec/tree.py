@@ -1,4 +1,5 @@
-"""The draft token tree of SwiftSpec (papers.md §3.2): plain Python, no torch.
+"""The draft token tree of SwiftSpec (docs/design/speculative.md#token-tree): plain Python, no
+torch.
 
 Node 0 is the root: the request's last verified token, whose target KV is not computed yet.
 Every other node is a draft guess hanging under its parent, weighted by the log-probability
