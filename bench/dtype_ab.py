@@ -2,7 +2,7 @@
 the machine's drift falls on both alike. Decode steps at each batch size (prompts of 128 tokens,
 contexts ~150-200), then a 128-token prompt step (a one-stream TTFT without HTTP); median and
 best per dtype. Measures what --dtype auto should pick on this CPU (engine.resolve_dtype).
-    .venv/bin/python bench/dtype_ab.py [batch ...]          # 1 64 unless given; 2 threads
+    .venv/bin/python bench/dtype_ab.py [batch ...] [--out FILE]   # 1 64 unless given; 2 threads
 """
 import statistics
 import sys
@@ -13,12 +13,18 @@ import torch
 from tessera.config import EngineConfig, SamplingParams
 from tessera.engine import Engine
 
+from result_file import pop_out, save   # bench/, the script's own folder, is on sys.path
+
 DTYPES = ("bfloat16", "float32")
+OUT = pop_out()
+ROWS: list[dict] = []
 
 
-def report(what: str, times: dict[str, list[float]]) -> None:
+def report(what: str, times: dict[str, list[float]], batch: int) -> None:
     print(what + ": " + ", ".join(f"{d} {statistics.median(v) * 1e3:.1f} ms (best {min(v) * 1e3:.1f})"
                                   for d, v in times.items()))
+    ROWS.extend({"step": what, "batch": batch, "dtype": d, "median_ms": round(statistics.median(v) * 1e3, 2),
+                 "best_ms": round(min(v) * 1e3, 2)} for d, v in times.items())
 
 
 def decode(B: int) -> None:
@@ -38,7 +44,7 @@ def decode(B: int) -> None:
             for _ in range(8):
                 e.step()
             times[d].append((time.perf_counter() - t) / 8)
-    report(f"decode step at batch {B}", times)
+    report(f"decode step at batch {B}", times, B)
 
 
 def prompt_step(n: int = 128) -> None:
@@ -54,9 +60,10 @@ def prompt_step(n: int = 128) -> None:
                 times[d].append(time.perf_counter() - t)
             while e.has_unfinished:
                 e.step()
-    report(f"{n}-token prompt step", times)
+    report(f"{n}-token prompt step", times, 1)
 
 
 for batch in [int(a) for a in sys.argv[1:]] or [1, 64]:
     decode(batch)
 prompt_step()
+save(OUT, "dtype", "bfloat16 against float32: decode and prompt steps of the replayed engine", ROWS)

@@ -2,7 +2,7 @@
 streamed from memory (269 MB in bf16: more than the caches keep between passes), oneDNN's
 blocked weights against the packed-weight kernels this CPU has (the AMX tiles, the register
 tiles), interleaved in one process; best of three passes, ms per sweep and GFLOP/s.
-    .venv/bin/python bench/linears_streamed.py [float32] [rows ...]      # bf16; rows 8 16 32 64
+    .venv/bin/python bench/linears_streamed.py [float32] [rows ...] [--out FILE]   # bf16; rows 8 16 32 64
 """
 import sys
 import time
@@ -11,7 +11,11 @@ import torch
 
 from tessera_kernels import amx_linear, tile_linear
 
+from result_file import pop_out, save   # bench/, the script's own folder, is on sys.path
+
 torch.set_num_threads(2)
+OUT = pop_out()
+ROWS: list[dict] = []
 args = sys.argv[1:]
 dtype = torch.float32 if args[:1] == ["float32"] else torch.bfloat16
 rows = [int(a) for a in args if a != "float32"] or [8, 16, 32, 64]
@@ -42,3 +46,9 @@ for M in rows:
             times[name].append((time.perf_counter() - t) / reps * 1e3)
     print(f"{M} rows, {dtype}: " + ", ".join(f"{n} {min(ts):.1f} ms ({FLOPS_PER_ROW * M / min(ts) / 1e6:.0f} GFLOP/s)"
                                            for n, ts in times.items()), flush=True)
+    ref = min(times["oneDNN"]) * 1e3 if "oneDNN" in times else None
+    ROWS.extend({"kernel": name, "shape": f"{M} rows x SmolLM2's 121 decode linears", "rows": M,
+                 "dtype": str(dtype).removeprefix("torch."), "tessera_us": round(min(ts) * 1e3, 1),
+                 "reference": "oneDNN" if ref else None, "reference_us": round(ref, 1) if ref else None,
+                 "gflops": round(FLOPS_PER_ROW * M / min(ts) / 1e6)} for name, ts in times.items() if name != "oneDNN")
+save(OUT, "kernel", "SmolLM2's decode linears, weights streamed from memory: packed kernels against oneDNN", ROWS)

@@ -4,7 +4,7 @@ timer around a call is its cost), median of 15 steps, each a fresh prompt of LEN
 timers need the eager step (--enforce-eager); the replayed step (step_graph.py; prompts of up to
 its MAX_TOKENS) is timed after it, on another engine: as a whole, and its layers' C calls by
 kernel (replayed.py).
-    .venv/bin/python bench/prefill_breakdown.py [LEN] [float32]   # 128 tokens, bfloat16 by default
+    .venv/bin/python bench/prefill_breakdown.py [LEN] [float32] [--out FILE]   # 128 tokens, bfloat16 by default
 """
 import collections
 import statistics
@@ -26,6 +26,7 @@ from tessera.engine import Engine
 from tessera.step_graph import MAX_TOKENS
 
 from replayed import print_replayed   # bench/, the script's own folder, is on sys.path
+from result_file import pop_out, save
 
 acc: collections.Counter = collections.Counter()
 
@@ -49,6 +50,7 @@ LL.residual_add = timed("residual adds", LL.residual_add)
 E.sample = timed("sampling", E.sample)
 MR.build_forward_batch = timed("batch tensors", MR.build_forward_batch)
 
+OUT = pop_out()
 LEN = int(sys.argv[1]) if len(sys.argv) > 1 else 128
 DTYPE = sys.argv[2] if len(sys.argv) > 2 else "bfloat16"
 
@@ -79,10 +81,15 @@ for k, m in sorted(parts.items(), key=lambda kv: -kv[1]):
     print(f"  {k}: {m*1e3:.1f} ms ({m/total:.0%})")
 rest = total - sum(parts.values())
 print(f"  rest (embedding, scheduler, Python between the calls): {rest*1e3:.1f} ms ({rest/total:.0%})")
+rows = [{"mode": "eager", "part": k, "ms": round(m * 1e3, 2), "share": round(m / total, 3)}
+        for k, m in [("step", total), *sorted(parts.items(), key=lambda kv: -kv[1]), ("rest", rest)]]
+TITLE = f"where a {LEN}-token prompt step's time goes, {DTYPE}"
 if LEN > MAX_TOKENS:
+    save(OUT, "prefill", TITLE, [{**r, "tokens": LEN, "dtype": DTYPE} for r in rows])
     sys.exit(f"(no replayed step: prompts over step_graph.MAX_TOKENS = {MAX_TOKENS} tokens run eagerly)")
 (replayed, fastest, slowest), parts, e = prompt_steps(False)
 print(f"replayed (step_graph.py): step {replayed*1e3:.1f} ms median ({fastest*1e3:.1f}-{slowest*1e3:.1f})")
 # after the replay, from Python: the final norm and the LM head of the last token
 outside = {{"linears": "LM head", "RMSNorm": "final norm"}.get(k, k): v for k, v in parts.items()}
-print_replayed(e, LEN, replayed, outside)
+rows += print_replayed(e, LEN, replayed, outside)
+save(OUT, "prefill", TITLE, [{**r, "tokens": LEN, "dtype": DTYPE} for r in rows])

@@ -44,10 +44,11 @@ def linear_weights(engine: Engine) -> tuple[int, int]:
     return sum(w.numel() for w in ws), sum(w.numel() * w.element_size() for w in ws)
 
 
-def print_replayed(engine: Engine, tokens: int, step_s: float, outside: dict[str, float]) -> None:
+def print_replayed(engine: Engine, tokens: int, step_s: float, outside: dict[str, float]) -> list[dict]:
     """Print the replayed step of `tokens` tokens (step_s seconds): the layers' time (the C
     loop's) and their kernels' (the linears' as GFLOP/s and GB/s of weights), then `outside`
-    (name: seconds, timed in Python around the replay: the LM head, sampling, ...) and the rest."""
+    (name: seconds, timed in Python around the replay: the LM head, sampling, ...) and the rest.
+    Returns the same as rows {"mode": "replayed", "part", "ms", "share"} for a result file."""
     layers, kernels = kernel_times(engine, tokens)
     calls, alone = sum(c for _, c, _ in kernels), sum(s for _, _, s in kernels)
     linears = sum(s for name, _, s in kernels if "linear" in name or "gemv" in name)
@@ -62,3 +63,7 @@ def print_replayed(engine: Engine, tokens: int, step_s: float, outside: dict[str
         print(f"  {name}: {s*1e3:.1f} ms ({s/step_s:.0%})")
     rest = step_s - layers - sum(outside.values())
     print(f"  rest (embedding, scheduler, detokenizer, Python, what is not listed): {rest*1e3:.1f} ms ({rest/step_s:.0%})")
+    parts = [("step", step_s), ("the layers (one C loop)", layers), *((f"kernel {n} x{c}", s) for n, c, s in kernels),
+             *outside.items(), ("rest", rest)]
+    return [{"mode": "replayed", "part": name, "ms": round(s * 1e3, 2), "share": round(s / step_s, 3)}
+            for name, s in parts]

@@ -3,7 +3,7 @@ timers (on the CPU nothing runs asynchronously, so a timer around a call is its 
 timers need the eager step (--enforce-eager); the replayed step (step_graph.py) is timed
 after it, on another engine: as a whole, its layers' C calls by kernel (replayed.py), and the
 LM head, sampling and batch tensors, which run from Python after the replay.
-    .venv/bin/python bench/step_breakdown.py 64 [float32]   # bfloat16 unless given; 2 threads, context ~190
+    .venv/bin/python bench/step_breakdown.py 64 [float32] [--out FILE]   # bf16 unless given; 2 threads, context ~190
 """
 import sys, time, collections, torch
 from tessera.config import EngineConfig, SamplingParams
@@ -11,6 +11,7 @@ from tessera.engine import Engine
 import tessera.layers.linear as L, tessera.layers.attention as A, tessera.models.llama as LL, tessera.engine as E
 import tessera.models.driver as D, tessera.batch as BT, tessera.model_runner as MR
 from replayed import print_replayed   # bench/, the script's own folder, is on sys.path
+from result_file import pop_out, save
 acc = collections.Counter()
 def timed(name, f):
     def g(*a, **k):
@@ -22,6 +23,7 @@ E.sample = timed("sampling", E.sample)
 import tessera_kernels.paged_attention_cpu as PA
 PA.paged_decode_attention = timed("  of which the decode kernel itself", PA.paged_decode_attention)
 MR.build_forward_batch = timed("batch tensors (build_forward_batch)", MR.build_forward_batch)
+OUT = pop_out()
 B = int(sys.argv[1])
 DTYPE = sys.argv[2] if len(sys.argv) > 2 else "bfloat16"
 n = 20                                # steps timed
@@ -45,9 +47,14 @@ for k, v in acc.most_common():
     print(f"  {k}: {v/n*1e3:.1f} ms ({v/n/total:.0%})")
 rest = total - sum(v for k, v in acc.items() if not k.startswith(" ")) / n
 print(f"  rest (norms, RoPE, residuals, SwiGLU activation, scheduler, detokenizer, Python): {rest*1e3:.1f} ms ({rest/total:.0%})")
+rows = [{"mode": "eager", "part": k.strip(), "ms": round(s * 1e3, 2), "share": round(s / total, 3)}
+        for k, s in [("step", total), *((k, v / n) for k, v in acc.most_common()), ("rest", rest)]]
+TITLE = f"where a decode step's time goes at batch {B}, {DTYPE}"
 replayed, e = step_s(False)
 print(f"replayed (step_graph.py): decode step {replayed*1e3:.1f} ms")
 if e.runner.graphs.rows(B) not in e.runner.graphs.graphs:
+    save(OUT, "step", TITLE, [{**r, "batch": B, "dtype": DTYPE} for r in rows])
     sys.exit(f"(no graph of {B} rows was kept: see the engine's log)")
 outside = {"LM head" if k.startswith("linears") else k: v / n for k, v in acc.items()}   # after the replay
-print_replayed(e, B, replayed, outside)
+rows += print_replayed(e, B, replayed, outside)
+save(OUT, "step", TITLE, [{**r, "batch": B, "dtype": DTYPE} for r in rows])

@@ -2,16 +2,16 @@
 and gateway (SmolLM2, --dtype DTYPE) started as `tessera serve` starts them, once with each
 holding a certificate of a throwaway CA and once in plaintext on loopback, alternating, each
 round a fresh pair of processes; `tessera bench serve` with 64 prompts x 128/128 at once and 8
-one at a time. Prints one line per run and writes bench/results/tls_cost.json.
+one at a time. Prints one line per run and writes a `tls` result file (--out FILE; by default
+bench/results/tls-<cpu kind>-<date>.json).
 
-    python bench/tls_cost.py [ROUNDS] [DTYPE]
+    python bench/tls_cost.py [ROUNDS] [DTYPE] [--out FILE]
 """
 from __future__ import annotations
 
 import json
 import os
 import pathlib
-import platform
 import statistics
 import subprocess
 import sys
@@ -20,16 +20,12 @@ import time
 
 import httpx
 
+from result_file import pop_out, save   # bench/, the script's own folder, is on sys.path
+from tessera.bench import machine
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TESSERA = [sys.executable, "-m", "tessera.cli"]
 GATEWAY, WORKER = 18700, 18751
-
-
-def _cpu() -> str:
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def _stack(tls: dict | None, dtype: str) -> list[subprocess.Popen]:
@@ -60,6 +56,8 @@ def _bench(*args: str) -> dict:
 
 
 def main() -> int:
+    kind = machine.machine(bandwidth=False)["kind"]
+    out = pop_out() or str(ROOT / "bench" / "results" / f"tls-{kind}-{time.strftime('%Y-%m-%d')}.json")
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
     dtype = sys.argv[2] if len(sys.argv) > 2 else "bfloat16"
     from tessera.mtls.certs import write_role_dirs
@@ -83,15 +81,12 @@ def main() -> int:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     med = {m: statistics.median(r["output_tok_s"] for r in rows if r["mode"] == m) for m in ("plaintext", "tls")}
-    result = {"what": "served throughput, gateway -> worker over mutual TLS vs plaintext (loopback)",
-              "command": f"python bench/tls_cost.py {rounds} {dtype}", "cpu": _cpu(), "dtype": dtype,
-              "model": "SmolLM2-135M-Instruct", "date": time.strftime("%Y-%m-%d"), "rows": rows,
-              "median_output_tok_s": med, "tls_over_plaintext": round(med["tls"] / med["plaintext"], 3)}
-    out = ROOT / "bench" / "results" / "tls_cost.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"median output tok/s: plaintext {med['plaintext']:.1f}, tls {med['tls']:.1f} "
-          f"(ratio {result['tls_over_plaintext']})")
+    ratio = round(med["tls"] / med["plaintext"], 3)
+    save(out, "tls", f"served throughput, gateway -> worker over mutual TLS against plaintext (loopback), "
+         f"SmolLM2-135M-Instruct {dtype}", [{**r, "dtype": dtype} for r in rows],
+         details={"median_output_tok_s": med, "tls_over_plaintext": ratio},
+         notes="64 prompts x 128/128 at once (output_tok_s, ttft_p50_ms_64) and 8 one at a time (_c1)")
+    print(f"median output tok/s: plaintext {med['plaintext']:.1f}, tls {med['tls']:.1f} (ratio {ratio})")
     return 0
 
 

@@ -38,6 +38,8 @@ def add_args(p) -> None:
                         "its simulated times and errors are reported beside the calibrated ones")
     p.add_argument("--project-attention-nodes", default="2,3,4",
                    help="M values for the simulated projection of M attention nodes -> 1 expert node")
+    from tessera.bench.results import add_out_arg
+    add_out_arg(p)
 
 
 def measure_rows(a, window: Window, micro_batches: list[int]) -> tuple[list[dict], list[dict]]:
@@ -123,6 +125,9 @@ def main(a) -> int:
     nodes = [int(x) for x in a.project_attention_nodes.split(",") if x]
     for r in rows:
         r["projection_simulated"] = projection(independent or calibrated, a.batch, r["micro_batches"], nodes)
+    if a.out:
+        from tessera.bench import results, rows as schema
+        results.write(a.out, schema.afd(a, mono, rows))
     if a.json:
         print(json.dumps([mono, *rows], indent=1))
     else:

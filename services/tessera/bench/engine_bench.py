@@ -93,6 +93,9 @@ def main(a: argparse.Namespace) -> int:
     rows = [run_engine(engine, int(b), a.input_len, a.output_len) for b in a.batch_sizes.split(",") if b]
     for b in (x for x in a.hf_reference.split(",") if x):
         rows.append(run_hf(a.model, int(b), a.input_len, a.output_len, a.hf_dtype))
+    if a.out:
+        from tessera.bench import results, rows as schema
+        results.write(a.out, schema.engine(a, rows))
     if a.json:
         print(json.dumps(rows, indent=2))
     else:

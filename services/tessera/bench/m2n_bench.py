@@ -28,6 +28,8 @@ def add_args(p) -> None:
     p.add_argument("--sizes", default=None, help="comma list of message sizes in bytes")
     p.add_argument("--shapes", default=None, help="comma list of MxN, e.g. 1x1,2x2,4x2")
     p.add_argument("--iters", type=int, default=60)
+    from tessera.bench.results import add_out_arg
+    add_out_arg(p)
 
 
 def iterations(size: int, iters: int) -> int:
@@ -174,6 +176,9 @@ def main(a) -> int:
                 for r in rows[-len(sizes):]:
                     print(f"{r['backend']:>9} {m}x{n} {r['bytes']:>9} B  p50 {r['p50_us']:>9.1f} us  "
                           f"p99 {r['p99_us']:>9.1f} us  {r['gbps']:>7.3f} Gb/s", flush=True)
+    if a.out:
+        from tessera.bench import results, rows as schema
+        results.write(a.out, schema.m2n(a, rows))
     if a.json:
         print(json.dumps(rows, indent=1))
     return 0

@@ -8,18 +8,16 @@ plan's layer ranges, threads and memory budget) are written, `tessera up` starts
 the gateway, and `tessera run-batch --url` sends the B requests (greedy, ignore_eos) at once,
 after one untimed batch (warm-up), --reps times (median), as B prompts to their first token
 (max_tokens 1: the prefill) and as the whole batch (the decode steps are the difference).
-The same is done at the --heldout workloads, which no plan was made for: "workloads" holds
-predicted against measured for each. Rows {"plan", "measured_tok_s", "predicted_tok_s",
-"perplexity", "workloads", ...}; perplexity is held-out (pipeline/quality.py) with the plan's
-per-layer bits; "calibrated_s" adds one overhead per prefill and per decode step fitted on
---calibrate-on's runs, and "calibrated_error_pct" is that prediction's error on the other plans
-(see calibrate). "profiled_s" / "profiled_error_pct" do the same with the overheads measured
-first on two reference deployments that are none of the plans (one stage and two equal stages,
-every layer at 16 bits: `reference`), a + h·(stages − 1) per prefill and per decode step
-(`profiled`), so every plan is predicted before any of them has run. Each workload also holds
-"stages": every stage's time in its own layers during the whole batch (its compute seconds, read
-from the stage before and after) against the model's per-stage prediction, with no overhead
-added ("stage_error_pct" in the summary). A plan whose stage refuses to start (its memory budget)
+The same at the --heldout workloads no plan was made for ("workloads": predicted against
+measured for each). Rows {"plan", "measured_tok_s", "predicted_tok_s", "perplexity" (held-out,
+the plan's per-layer bits: pipeline/quality.py), "workloads", ...}. "calibrated_s" adds one
+overhead per prefill and per decode step fitted on --calibrate-on's runs ("calibrated_error_pct":
+its error on the other plans; calibrate). "profiled_s" / "profiled_error_pct" take the overheads
+from two reference deployments that are none of the plans (one stage and two equal stages, every
+layer at 16 bits: `reference`), a + h·(stages − 1) per prefill and per decode step (`profiled`),
+so every plan is predicted before any has run. Each workload's "stages" hold every stage's
+compute seconds in its own layers during the batch against the model's per-stage prediction,
+no overhead added ("stage_error_pct"). A plan whose stage refuses to start (its memory budget)
 or whose run fails is a row with its error.
 """
 from __future__ import annotations
@@ -50,7 +48,8 @@ REFERENCE = "reference"
 def add_args(p: argparse.ArgumentParser) -> None:
     from tessera.pipeline import plan_cli
     plan_cli.add_args(p)
-    p.set_defaults(batch=8, prompt_len=64, gen_len=32, devices=None)
+    p.set_defaults(batch=8, prompt_len=64, gen_len=32, devices=None, out=None)
+    next(x for x in p._actions if x.dest == "out").help = "also write a result file (tessera.bench.results)"
     p.add_argument("--methods", default="llm-pq,uniform,pipeedge,adabits")
     p.add_argument("--port", type=int, default=18200, help="the gateway's port (stages use the next ones)")
     p.add_argument("--ppl-windows", type=int, default=4)
@@ -249,10 +248,8 @@ def calibrate(rows: list[dict], on: str, key: str = "calibrated") -> dict | None
     the `on` row's workloads, then predict every OTHER row's workloads with it (their errors
     are the cost model's end-to-end errors with the overheads measured elsewhere): one overhead
     per prefill (per batch) and one per decode step, each the mean of the `on` row's residuals.
-    Written as KEY_s and KEY_error_pct (and by phase) beside each workload.
-    (An affine prefill a + c · predicted, used while stage 0 still split a batch's prefill by
-    arrival, came out at c = 0.97 and 1.07 in two runs, with a = 48 and 13 ms: the one plan's
-    prefills span too short a range to fit a slope, so the slope only moved the intercept.)"""
+    Written as KEY_s and KEY_error_pct (and by phase) beside each workload. (Not an affine
+    prefill a + c * predicted: one plan's prefills span too short a range to fit a slope.)"""
     base = next((r for r in rows if r["plan"] == on and r.get("workloads")), None)
     if base is None:
         return None
@@ -397,4 +394,7 @@ def main(a: argparse.Namespace) -> int:
               "work_dir": str(work_dir), "calibration": calibration, "profiled_overhead": profile,
               "references": refs, "errors": summary(rows), "rows": rows}
     print(json.dumps(report, indent=1) if a.json else "\n".join(json.dumps(r) for r in [*rows, report["errors"]]))
+    if a.out:
+        from tessera.bench import results, rows as schema
+        results.write(a.out, schema.pq(a, report))
     return 0

@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from tessera.bench.results import add_out_arg
+
 DEFAULT_KINDS = "16:float32,16:bfloat16,8,4,gguf"
 
 
@@ -31,6 +33,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--kernels", action="store_true", help="also time single linears per (bits, batch)")
     p.add_argument("--json", action="store_true")
+    add_out_arg(p)
 
 
 def _engine(model: str, kind: str):
@@ -91,6 +94,9 @@ def main(a: argparse.Namespace) -> int:
     rows = model_rows(a)
     if a.kernels:
         rows += kernel_rows(a.model)
+    if a.out:
+        from tessera.bench import results, rows as schema
+        results.write(a.out, schema.quant(a, rows))
     if a.json:
         print(json.dumps(rows, indent=1))
     else:

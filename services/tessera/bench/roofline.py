@@ -27,8 +27,7 @@ def model_linears(model: nn.Module) -> list[nn.Module]:
 @torch.inference_mode()
 def gemm_roofline(model: nn.Module, batch: int, dtype: torch.dtype, repeats: int = 20) -> dict:
     """Seconds per sweep of all linears at `batch` rows (best of `repeats`), and the GFLOP/s.
-    Twenty sweeps (about a second at batch 64 on 2 cores), not five: on a shared VM a slow
-    fraction of a second halved the best of five (194 against 388 GFLOP/s, Zen 4)."""
+    Twenty sweeps, not five: on a shared VM a slow fraction of a second can halve the best of five."""
     linears = model_linears(model)
     inputs = {k: torch.randn(batch, k).to(dtype) for k in {m.in_features for m in linears}}
     best = float("inf")

@@ -15,8 +15,10 @@ this machine's busy / idle / steal CPU time and huge pages split over the run.
 
 The streams are read by a plain HTTP/1.1 client on asyncio's streams (one connection per
 request), not httpx: the client shares the machine's CPU with the server it measures, and
-with httpx's pure-Python parsing it took 1.2 s of CPU while 64 x 128 tokens streamed (Intel
-Xeon with AMX, 2 cores; 0.65 s now), taken from whichever server ran.
+httpx's pure-Python parsing costs about twice the CPU, taken from whichever server runs.
+
+--out FILE also writes the run as a `served` result file (tessera.bench.rows), with every
+request's TTFT and TPOT; --server, --server-dtype and --server-quantization label it.
 """
 from __future__ import annotations
 
@@ -146,7 +148,9 @@ async def _body_lines(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
 async def run(a: argparse.Namespace) -> dict:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
-        model = a.model or (await client.get(a.base_url + "/v1/models")).json()["data"][0]["id"]
+        listed = (await client.get(a.base_url + "/v1/models")).json()["data"]
+        model = a.model or listed[0]["id"]
+        owned_by = next((m.get("owned_by") for m in listed if m["id"] == model), None)
         prompts, texts = _make_prompts(a)
         sem = asyncio.Semaphore(a.concurrency or len(prompts))
         rng = random.Random(a.seed)
@@ -188,6 +192,9 @@ async def run(a: argparse.Namespace) -> dict:
                                    if server and server["requests"] == len(ok) and ttft["mean"] is not None
                                    and "prefill" in server and "queue" in server else None),
         "machine": machine,
+        "samples": {"ttft_ms": [round(r["ttft"] * 1000, 2) for r in ok],
+                    "tpot_ms": [round(r["tpot"] * 1000, 3) for r in ok if r["tpot"] is not None]},
+        "owned_by": owned_by,
     }
 
 
@@ -209,6 +216,11 @@ def _make_prompts(a: argparse.Namespace) -> tuple[list[list[int]], list[str]]:
 
 def main(a: argparse.Namespace) -> int:
     result = asyncio.run(run(a))
+    if a.out:
+        from tessera.bench import results, rows as schema
+        results.write(a.out, schema.served(a, result))
+    result.pop("samples")
+    result.pop("owned_by")
     if a.json:
         print(json.dumps(result, indent=2))
     else:

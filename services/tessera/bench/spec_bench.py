@@ -1,16 +1,13 @@
-"""`tessera bench spec`: batch-1 greedy decode speed of plain decoding, serial tree speculation and
-disaggregated tree speculation (SwiftSpec's ablation, papers.md §3.10), on prompts of several
-kinds shipped in bench/prompts/, with the simulator's prediction beside every measured row.
+"""`tessera bench spec`: batch-1 greedy decode speed, plain against serial and disaggregated tree
+speculation (SwiftSpec's ablation; docs/design/speculative.md), on the kinds in bench/prompts/.
 
-Measured, on two cores: plain (2 torch threads on both cores); serial (draft, then verify, in
-this process, 2 threads on both cores); disaggregated (the target here, core 0, 1 thread; the
-draft on core 1, 1 thread: a `tessera draft-worker` process when that command exists, else an
-AsyncProposer thread in this process, labelled "draft_location": "thread"). Speeds are decode
-speeds (TTFT excluded); each row is the median of --repeats runs; every mode's tokens are
-checked against plain greedy ("identical"; a mismatch is printed and the exit status is 1).
-Simulated (spec/simulator.py), and labelled so: predicted_tok_s from a profile measured here
-first, at each kind's own prompt, plus the row's own measured tokens-per-round distribution and
-hit rate; the paper's ablation projected from the paper's numbers.
+Measured, on two cores: plain and serial (draft, then verify) with 2 threads on both cores;
+disaggregated with the target here on core 0 and the draft on core 1, 1 thread each (a `tessera
+draft-worker` process, or an AsyncProposer thread here: "draft_location"). Decode speeds (TTFT
+excluded), the median of --repeats runs; every mode's tokens are checked against plain greedy
+("identical"; a mismatch is printed and the exit status is 1). Simulated (spec/simulator.py),
+and labelled so: predicted_tok_s from a profile measured here first, at each kind's own prompt,
+with the row's measured tokens per round and hit rate; the paper's ablation from its numbers.
 """
 from __future__ import annotations
 
@@ -49,6 +46,7 @@ def add_args(p) -> None:
     p.add_argument("--draft-location", default="auto", choices=["auto", "process", "thread"],
                    help="disaggregated draft: a draft-worker process, a thread here, or process when it exists")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--out", metavar="FILE", help="also write a result file (tessera.bench.results)")
 
 
 @dataclass
@@ -377,6 +375,9 @@ def main(a) -> int:
     report["async_vs_serial_acceptance"] = async_vs_serial(rows)
     report["paper_projection_simulated"] = paper_projection()
     print(json.dumps(report, indent=1) if a.json else _text(report))
+    if a.out:
+        from tessera.bench import results, rows as schema
+        results.write(a.out, schema.spec(a, report))
     return 0 if all(r.get("identical", True) and "error" not in r for r in rows) else 1
 
 
