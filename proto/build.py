@@ -1,6 +1,6 @@
 """Generate the gRPC stubs from proto/ into services/tessera/rpc/v1/ (gitignored).
 
-Run by the set-up (scripts in the README) and by CI; the stubs are never committed.
+Run by the set-up (`make setup`, deploy/setup_vllm.sh) and by CI; the stubs are never committed.
 """
 from __future__ import annotations
 

@@ -59,9 +59,9 @@ class CountingTokenizer:
 
 def test_special_tokens_and_undecodable_bytes_cost_constant_decoding_per_token():
     """A legal generation of 1500 special tokens (skipped when decoding) and then 1500 tokens
-    of a lone UTF-8 continuation byte (U+FFFD until valid text follows) used to re-decode its
-    whole undecided tail on every step: about n^2 / 2 token decodes on the engine thread. Now
-    each token costs a bounded number of decoded ids, and the text is still exactly what
+    of a lone UTF-8 continuation byte (U+FFFD until valid text follows): re-decoding the whole
+    undecided tail on every step would cost about n^2 / 2 token decodes on the engine thread.
+    Each token costs a bounded number of decoded ids, and the text is still exactly what
     decoding everything at once gives."""
     t = tok()
     special = t.convert_tokens_to_ids("<|im_start|>")

@@ -1,8 +1,8 @@
-"""Hostile values that used to reach the engine, sent to a real `tessera serve` (gateway ->
-gRPC -> worker) on both endpoints and through the Batch API: non-finite numbers, integers too
-large for a float, logit_bias keys that are digits only to str.isdigit(), lone UTF-16
-surrogates, and lists as long as the body limit allows. Each is a 400 in OpenAI's error JSON
-naming the field; a temperature too small to divide by samples greedily, as in vLLM."""
+"""Hostile values sent to a real `tessera serve` (gateway -> gRPC -> worker) on both endpoints
+and through the Batch API, none of which may reach the engine as it is: non-finite numbers,
+integers too large for a float, logit_bias keys that are digits only to str.isdigit(), lone UTF-16
+surrogates, and lists as long as the body limit allows. Each is a 400 in OpenAI's error JSON naming
+the field; a temperature too small to divide by samples greedily, as in vLLM."""
 from __future__ import annotations
 
 import asyncio

@@ -423,7 +423,7 @@ def test_only_bf16_prompts_of_large_steps_go_to_sdpa_and_only_where_the_cpu_has_
 def test_amx_linear_matches_its_reference_and_onednn(M, N, K, bias):
     """Row counts on and off the 16-row tiles (a padded last block), with a bias, and x a view
     whose rows are further apart than K: close to the float32 reference, and oneDNN's bf16
-    linear (bit for bit up to 32 rows on the Xeon we measured, where the tile products run in the
+    linear (bit for bit up to 32 rows on the AMX CPUs tested, where the tile products run in the
     same order; above 32 rows about one element in 10^4 differs in the last bit)."""
     g = torch.Generator().manual_seed(M * N + K)
     w = torch.randn(N, K, generator=g).bfloat16()

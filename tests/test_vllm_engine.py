@@ -34,12 +34,12 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Li
            "Explain what a CPU does in one sentence.", "Translate 'good morning' into Spanish.",
            "What is 12 times 7?", "Name a famous painter and one of their works.",
            "Give me a tip for learning to cook."]
-# Greedy agreement with the native engine: the share of tokens before the first difference (measured
-# here: fp32 1.0, bf16 0.43; README "vLLM as a backend engine"), and the largest gap between the
-# native engine's top two logprobs where the two first differ: rounding only ever flips near-ties
-# (bf16 logits near 15 are 0.06 apart).
-# bf16's floor: 0.549 on AMD Zen 5, 0.209 on Intel with AMX (vLLM's AMX kernels round otherwise);
-# what must hold everywhere is that the engines part only at near-ties (MAX_TIE_GAP).
+# Greedy agreement with the native engine: the share of tokens before the first difference, and
+# the largest gap between the native engine's top two logprobs where the two first differ:
+# rounding only ever flips near-ties (bf16 logits near 15 are 0.06 apart). float32 agrees almost
+# fully; bf16 agrees far less, by an amount that depends on the CPU (vLLM's AMX kernels round
+# otherwise; docs/vllm-backend.md), hence its low floor. What must hold everywhere is that the
+# engines part only at near-ties (MAX_TIE_GAP).
 MIN_AGREEMENT = {"float32": 0.9, "bfloat16": 0.15}
 MAX_TIE_GAP = {"float32": 0.05, "bfloat16": 0.5}
 
@@ -98,7 +98,7 @@ def deployment(tmp_path_factory):
     port, workers = free_port(), free_port_range(2)
     path = tmp_path_factory.mktemp("vllm") / "vllm.yaml"
     # float32, never `auto`: vLLM's bf16 on an AMX machine answers FRANCE without ever ending
-    # (6,261 tokens in 300 s, measured), and the tests below expect the answer to stop.
+    # (thousands of tokens, for minutes), and the tests below expect the answer to stop.
     path.write_text(f"name: vllm-test\nmodel: smollm2\ndtype: float32\nroles:\n  redis: {{port: 6379}}\n"
                     f"  worker: {{engine: vllm, replicas: 2, port: {workers}, threads: 1, max_num_seqs: 16}}\n"
                     f"  gateway: {{port: {port}}}\n")

@@ -1,19 +1,16 @@
 """bf16 linear on AMX tiles for 5 rows or more (decode batches and prompt chunks;
-csrc/amx_linear_bf16.c), with its weight packed once into the tiles' layout. Where the CPU has no AMX or the C compiler
-cannot target it, available() is False and callers keep oneDNN; TESSERA_DISABLE_AMX_LINEAR=1
-does the same on purpose (A/B measurements).
+csrc/amx_linear_bf16.c), with its weight packed once into the tiles' layout. Where the CPU has
+no AMX or the C compiler cannot target it, available() is False and callers keep oneDNN;
+TESSERA_DISABLE_AMX_LINEAR=1 does the same on purpose (to compare the two).
 
-Measured (Intel Xeon with AMX, 2 cores, SmolLM2's 121 decode linears with their weights
-streamed from memory, oneDNN's blocked weights against these): 8 rows 14-25 -> 11-15 ms,
-16 rows 14-26 -> 12-15 ms, 32 rows 16-32 -> 11-22 ms (the machine drifts within minutes;
-ours was faster in every pair). At 48 and 64 rows the two are about even (64 rows: 21.5-23.6
-ms against 23-24), and this kernel takes them anyway: a ctypes call can be recorded
-and replayed (step_graph.py), oneDNN's cannot, and the replayed batch-64 step is 49-51 ms
-against 60-66 ms eager (model 167, 2026-11-27).
-Prompt chunks (65 rows and more) came here too once W's tiles were loaded with the streaming
-hint (model 207, 2026-11-27, `python bench/linears_streamed.py 128 512 2048`, oneDNN against
-this kernel): 128 rows 32.6 -> 29.3 ms, 512 rows 211 -> 178 ms, 2048 rows 583 -> 472 ms; and a
-prompt step made of these calls only can be recorded like a decode step.
+Against oneDNN's blocked weights, with the weights streamed from memory, this kernel is faster
+up to 32 rows. At 48 and 64 rows the two are about even, and this kernel takes them anyway: a
+ctypes call can be recorded and replayed (step_graph.py), oneDNN's cannot, and a replayed step
+is faster than an eager one. Prompt chunks (65 rows and more) come here too: loading W's tiles
+with the streaming hint makes the kernel faster than oneDNN there as well
+(`python bench/linears_streamed.py 128 512 2048` compares them), and a prompt step made of
+these calls only can be recorded like a decode step. The measurements are in
+docs/performance-notes.md.
 At 5 to 32 rows the results equal oneDNN's bit for bit (the same tile products in the same
 order); above 32 rows about one element in 10^4 differs in the last bit (as the register
 tiles' on AMD, tile_linear.py).

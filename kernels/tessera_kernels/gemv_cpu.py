@@ -1,10 +1,9 @@
 """bf16 linear for a few rows (decode at batch 1 to 4): a torch reference and a C kernel
 (csrc/gemv_bf16.c) that streams each weight once for all rows at the memory's speed.
 
-torch's bf16 matmul reads the weights of a one-row product at under half the bandwidth this
-CPU streams memory (measured on AMD EPYC Zen 4, 2 cores, SmolLM2's 121 linears: torch 14 GB/s,
-this kernel 30 GB/s, a plain read 34 GB/s), and a decode step at batch 1 is nothing but
-reading every weight once.
+torch's bf16 matmul reads the weights of a one-row product at under half the bandwidth the
+CPU streams memory, this kernel close to a plain read's, and a decode step at batch 1 is
+nothing but reading every weight once.
 """
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ import torch.nn.functional as F
 
 from tessera_kernels import cbuild
 
-MAX_ROWS = 4   # as csrc/gemv_bf16.c; at 8 rows torch's GEMM was as fast (measured)
+MAX_ROWS = 4   # as csrc/gemv_bf16.c; at 8 rows torch's GEMM is as fast
 
 
 def gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -36,14 +35,12 @@ def _library() -> ctypes.CDLL | None:
 
 @functools.cache
 def side_by_side() -> bool:
-    """Whether the kernel streams several weight rows side by side (csrc/gemv_bf16.c's
-    COLUMNS(M): four with AVX-512; with AVX2 4/2/1 for 1/2/3+ rows), several FMA chains in
-    flight, or one at a time, as each CPU kind measured faster on SmolLM2's 121 one-row products
-    (weights from memory, 2 cores): side by side on Intel Xeons (AMX model 167: 16.5 -> 13 ms),
-    one at a time on AMD EPYC (Zen 4: 12.3-13.7 -> 8.5-9.6 ms; from memory the four streams
-    drop to ~26 of the 41 GB/s one reaches, although in cache they are 1.6x faster; Zen 5 and
-    the AVX2-only EPYC measured only one at a time). Other vendors (Hygon's Zen) get side by
-    side, unmeasured. Both give the same bits. TESSERA_GEMV_SIDE_BY_SIDE=1|0 chooses instead."""
+    """Whether the kernel streams several weight rows side by side (csrc/gemv_bf16.c's COLUMNS(M):
+    four with AVX-512; with AVX2 4/2/1 for 1/2/3+ rows), several FMA chains in flight, or one at a
+    time, whichever each CPU kind ran faster on SmolLM2's one-row products with the weights coming
+    from memory: side by side on Intel Xeons, one at a time on AMD EPYC (where several streams from
+    memory get less bandwidth than one, although in cache they are faster). Other vendors get side
+    by side, untested. Both give the same bits. TESSERA_GEMV_SIDE_BY_SIDE=1|0 chooses instead."""
     chosen = os.environ.get("TESSERA_GEMV_SIDE_BY_SIDE")
     if chosen in ("0", "1"):
         return chosen == "1"

@@ -1,12 +1,11 @@
 """Weight-only int4 and int8 linears for a few rows (decode at small batch): the packing, a
 torch reference and a C kernel (csrc/gemv_quant.c) that widens the codes in registers.
 
-torch's packed int4 kernel (aten._weight_int4pack_mm_for_cpu) read its quarter of the bytes
-slower than our bf16 GEMV reads all of them (measured on AMD EPYC Zen 5, 2 cores), and its
-packed layout depends on the CPU's vector width, so the codes here are packed our own way:
-the columns in runs of 32, the runs in pairs, byte j of a pair holding column j of the first
-run in its low nibble and column j of the second in its high one (one 32-byte load, two runs
-in the order of x).
+torch's packed int4 kernel (aten._weight_int4pack_mm_for_cpu) reads its quarter of the bytes slower
+than our bf16 GEMV reads all of them, and its packed layout depends on the CPU's vector width, so
+the codes here are packed our own way: the columns in runs of 32, the runs in pairs, byte j of a
+pair holding column j of the first run in its low nibble and column j of the second in its high one
+(one 32-byte load, two runs in the order of x).
 """
 from __future__ import annotations
 

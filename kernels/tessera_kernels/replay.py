@@ -2,8 +2,8 @@
 counterpart of a CUDA graph.
 
 A decode step at batch 1 is ~360 C calls (norms, GEMVs, RoPE, KV writes, attention) with
-Python between them: on AMD EPYC Zen 4 (2 cores, SmolLM2-135M, bf16) the Python took ~5.8 of a
-~14.5 ms step, more than a third. Every call's arguments are pointers, sizes and scalars, so
+Python between them, and for a small model that Python is a large share of the step. Every
+call's arguments are pointers, sizes and scalars, so
 when the next step has the same shapes and its inputs sit in the same buffers, the same calls
 with the same arguments compute it. `record()` notes each call made through a library that
 cbuild loaded (in this thread) and keeps every tensor allocated meanwhile alive, so that the
@@ -13,10 +13,9 @@ a memory pool): the memory is then the largest recording's, not their sum.
 
 `replay()` makes the calls from one C loop (csrc/replay_calls.c, one ctypes call for the whole
 recording) where the platform's calling convention lets one prototype call every kernel: each
-call from Python cost its argument conversions, a Python frame and a release and retake of the
-GIL. Intel Xeon with AMX (model 167, 2 cores), SmolLM2 bf16, replayed step in the engine: batch 1
-12.8-13.6 -> 11.1-12.0 ms, batch 64 55.2-57.4 -> 48.6-49.5 ms (TESSERA_REPLAY_IN_PYTHON=1 for
-the A/B).
+call from Python costs its argument conversions, a Python frame and a release and retake of
+the GIL, which adds up over a step's calls (TESSERA_REPLAY_IN_PYTHON=1 keeps the loop in Python,
+to compare the two).
 
 What is recorded must be all there is: a torch op that computes (anything but a view or an
 allocation) while recording would not be made again, so the recording refuses it and says which
@@ -79,7 +78,7 @@ _INTS = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int)
 def _executor() -> tuple[ctypes.CDLL, type] | None:
     """The C loop that makes a recording's calls (csrc/replay_calls.c) and its call record,
     where the calling convention it relies on holds (x86-64 Linux) and it builds;
-    TESSERA_REPLAY_IN_PYTHON=1 keeps the loop in Python (A/B measurements)."""
+    TESSERA_REPLAY_IN_PYTHON=1 keeps the loop in Python (to compare the two)."""
     if (platform.machine() != "x86_64" or sys.platform != "linux" or ctypes.sizeof(ctypes.c_void_p) != 8
             or os.environ.get("TESSERA_REPLAY_IN_PYTHON") == "1"):
         return None

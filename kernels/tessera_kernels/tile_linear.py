@@ -1,24 +1,22 @@
 """Linears by register tiles over a weight packed once into panels of output columns
 (csrc/tile_linear_bf16.c, csrc/tile_linear_f32.c), where oneDNN leaves the vector units idle:
 
-- bf16, 5 rows or more, on CPUs without AMX (AMD Zen 4 and Zen 5 first): a decode
-  step at batch 64 and every prompt chunk are bound by the bf16 dot products there, and
-  oneDNN's matmul used 320 of the 450 GFLOP/s two Zen 4 cores give. SmolLM2's 121 linears,
-  Zen 4: 64 rows 49-55 -> 42-44 ms, 8 rows 14-16 -> 8-9.4 ms, 2048 rows 1406 -> 1352 ms.
-  Intel cores without AMX run vdpbf16ps at half their FMA rate (a Xeon model 207 with AMX
-  hidden: one core peaks at 77-84 GFLOP/s of vdpbf16ps, 163-170 of FMAs), so there the same
-  panels go through float32 FMAs instead (bf16_tiles() measures which of the two is faster,
-  once per process): 64 rows 116-120 (oneDNN) -> 67-70 ms, 8 rows 26 -> 14 ms. Cores without
+- bf16, 5 rows or more, on CPUs without AMX (AMD Zen 4 and Zen 5 first): a decode step at a
+  large batch and every prompt chunk are bound by the bf16 dot products there, and oneDNN's
+  matmul leaves a good part of the vdpbf16ps throughput unused. Intel cores without AMX run
+  vdpbf16ps at about half their FMA rate, so there the same panels go through float32 FMAs
+  instead (bf16_tiles() measures which of the two is faster, once per process). Cores without
   AVX512-BF16 get the FMA tiles only, where torch emulates bf16 products: 16 lanes on AVX-512
-  (Intel Cascade Lake: bf16 then decodes in 0.52-0.84x float32's time, so it is --dtype auto
-  there), 8 on AVX2, where from 16 rows on each panel is unpacked to float32 for the float32
-  tile (AMD Zen 3, 64 rows: 94 -> 156 GFLOP/s, float32's tiles 153-165; bf16 is auto there too).
-- float32, any row count, on CPUs with AVX2 and FMA (--dtype float32): 1 row 22-23 -> 11-16.5
-  ms, 64 rows 92-97 -> 83-85 ms (Zen 4; see the C source).
+  (with them, bf16 decodes faster than float32 and is --dtype auto there), 8 on AVX2, where
+  from 16 rows on each panel is unpacked to float32 for the float32 tile, which then runs at
+  float32's speed (bf16 is auto there too).
+- float32, any row count, on CPUs with AVX2 and FMA (--dtype float32): oneDNN keeps part of the
+  FMA units idle at these shapes (see the C source).
+The measurements are in docs/performance-notes.md.
 
 For bf16 where the CPU has AMX (the AMX kernel and oneDNN run bf16 there), and for either dtype
 where it lacks the vector units, applies() is False and callers keep oneDNN;
-TESSERA_DISABLE_TILE_LINEAR=1 does the same on purpose (A/B measurements).
+TESSERA_DISABLE_TILE_LINEAR=1 does the same on purpose (to compare the two).
 """
 from __future__ import annotations
 
@@ -76,8 +74,8 @@ _choosing = threading.Lock()    # two threads never time the tiles at once (nor 
 def bf16_tiles() -> str:
     """The bf16 tiles this CPU runs faster: each timed on the same in-cache product (8 rows, K
     1024, 192 columns: compute-bound, ~3 MFLOP), one thread, best of 15 interleaved calls; where
-    one is 2x the other (Zen 4: dot; an Intel Xeon without AMX: fma at 1.6x) drift cannot flip
-    the choice. TESSERA_BF16_TILES=dot|fma chooses instead."""
+    one is much the faster (dot where vdpbf16ps runs at full rate, fma on Intel cores without
+    AMX) drift cannot flip the choice. TESSERA_BF16_TILES=dot|fma chooses instead."""
     if _chosen:                   # every bf16 linear asks: no lock once the answer is made
         return _chosen[0]
     with _choosing, replay.paused():     # a step being recorded may ask first: not part of it

@@ -68,9 +68,9 @@ def resolve_dtype(name: str) -> torch.dtype:
     """'auto' picks bfloat16 where its linears run at least at float32's speed: where the CPU
     multiplies bf16 natively (AMX or AVX512-BF16), or where the bf16 register tiles are built
     for its float32 FMAs (AVX-512 or AVX2 with FMA). There the products cost what float32's do
-    and the weights and KV cache cross memory at half the bytes: Intel Cascade Lake decodes at
-    batch 1 in 0.52x float32's time, at 64 in 0.84x; AMD Zen 3 (AVX2) at batch 1 in 0.58x, at 8
-    in 0.83x, at 64 and in prompts at float32's speed. Else (no FMA vectors, no compiler)
+    and the weights and KV cache cross memory at half the bytes, so small-batch decode, which
+    is bound by those bytes, is faster in bf16 and large batches and prompts are no slower.
+    Else (no FMA vectors, no compiler)
     float32: bf16 would go to torch's emulation. vLLM's own 'auto' is another rule (vllm_backend:
     its bf16 is emulated without AMX or AVX512-BF16)."""
     if name == "auto":

@@ -3,15 +3,11 @@ the default on the machines here).
 
 Decode reads every weight once per token and the KV cache in 2 KiB pieces scattered over all
 of it; with 4 KiB pages the TLB misses on most of those reads, and the CPU's memory-level
-parallelism goes to page walks. Measured:
-- KV cache (AMD EPYC Zen 4, batch 64, context ~190, 30 layers): attention kernel 22.7 -> 16.7 ms
-  per step.
-- Weights (Intel Xeon with AMX, 2 cores; SmolLM2's 121 bf16 decode linears, one row, the C
-  GEMV alone): 16.9 -> 12.8 ms per token, 15.9 -> 21.1 GB/s against a plain read's 24.5; a
-  whole batch-1 engine step gains 3-5 % (the rest of the step is not weight-bound). The
-  weights must share one mapping: each linear is 0.6-3.5 MB, and a 2 MiB page only forms
-  where an aligned 2 MiB range lies inside one allocation.
-TESSERA_DISABLE_HUGE_PAGES=1 leaves every tensor on ordinary pages (for A/B measurements).
+parallelism goes to page walks. Both the KV cache (the attention kernel's step) and the weights
+(the decode GEMVs, which then come closer to a plain read's bandwidth) gain; the numbers are in
+docs/performance-notes.md. The weights must share one mapping: a linear is a few MB, and a 2 MiB
+page only forms where an aligned 2 MiB range lies inside one allocation.
+TESSERA_DISABLE_HUGE_PAGES=1 leaves every tensor on ordinary pages (to compare the two).
 """
 from __future__ import annotations
 

@@ -10,12 +10,10 @@ slots the new K/V go to, each row's block table and context length. Those inputs
 buffers of StepGraphs' own (Inputs); once per row count T a step runs through the layer
 driver while tessera_kernels.replay records its calls, and later steps of T rows copy their
 inputs into the buffers and make the same calls again; the rows whose logits are sampled are
-picked afterwards. Measured on AMD EPYC Zen 4 (2 cores, SmolLM2-135M, bf16, batch 1): the
-step's Python, ~5.8 of ~14.5 ms, goes. A prompt alone in its step (the TTFT of one request;
-Intel Xeon with AMX, model 207, 2 cores, bf16, min-median of 25 interleaved steps): 128 tokens
-82-89 ms eager -> 61-67 replayed, 16 tokens 26-35 -> 16-17. The first two steps of each row
-count pay for its recording and check (about 1.4 and 1.8 eager steps); the worker's warm-up
-makes them (entrypoints/worker.py).
+picked afterwards. What goes is the step's Python between the kernels, a large share of a
+small model's decode step and of a short prompt's (docs/performance-notes.md). The first two
+steps of each row count pay for its recording and check (each costs more than an eager step);
+the worker's warm-up makes them (entrypoints/worker.py).
 
 Padding: a step of T > PAD_FROM tokens replays the graph of rows(T) rows, T rounded up to a
 multiple of PAD_TO, its extra rows padding (vLLM pads a step to its next CUDA-graph size the
@@ -25,9 +23,7 @@ same order at any row count (the AMX tiles work in blocks of 16 rows anyway; the
 kernel puts a padding row in no prompt tile), so the real rows get the same bits as at T rows,
 and the check below compares them with the eager step of T tokens (a recording that pads serves
 the eager step's bits). Prompts of varied lengths then share 15 graphs from 17 to 256 tokens
-instead of recording 240: before, each new length paid its recording and its check (Intel Xeon
-with AMX, model 167, a 150-token prompt: 100 and 127-149 ms to the first token, then 53-57;
-eager 71-75).
+instead of recording 240, and a prompt of a new length rarely pays for a recording and a check.
 
 Trust: a recording that met a torch op computing something (replay.Recording.refused: an MoE
 router, a dtype without C kernels, a linear on oneDNN) is not kept and, after a second try,
@@ -245,9 +241,8 @@ class StepGraphs:
             # again at their next step. A step's buffers grow in proportion to its tokens (SmolLM2
             # in bf16: 576,000 bytes a token at every count), so the pool is sized for the largest
             # step at the first overflow: the worker's warm-up makes it, and the first prompt of
-            # a user no longer grows the pool, drops the graphs and is recorded again (measured on
-            # Zen 4, `tessera serve`: the first three 128-token prompts took 183, 165 and 217 ms
-            # to their first token, the fourth 103).
+            # a user no longer grows the pool, drops the graphs and is recorded again (which
+            # made the first few prompts after a start slow to their first token).
             self.pool.grow(-(-self.pool.used * self.max_tokens // R) + _ALIGNMENT_SLACK)
             self.graphs.clear()
         else:

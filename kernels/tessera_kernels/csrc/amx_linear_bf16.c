@@ -3,8 +3,7 @@
  *
  * A decode step at batch 64 reads every weight once and does 128 flops per weight element:
  * for AMX that is memory-bound, and oneDNN's AMX matmul streams the weights at about half the
- * bandwidth a plain read gets here (SmolLM2's 121 linears, 64 rows, weights from DRAM: 20-24
- * ms against 11 ms for the bytes alone; Intel Xeon, 2 cores). This kernel reads W in the
+ * bandwidth a plain read gets. This kernel reads W in the
  * order it is stored, prefetching a few tiles ahead, and uses each weight tile for two
  * 16-row blocks of x while it is in L1 (rows 32-63 find it again in L2).
  *
@@ -137,12 +136,9 @@ int amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, cons
     /* Each thread takes a contiguous share of the 32-column blocks, in groups of about
      * GROUP_BYTES of W: rows 0-31 over the group's blocks stream W from memory, each later
      * 32 rows then find it in L2 (and their x in L1, where it fits: K up to ~700). One W tile
-     * feeding four row blocks at once instead reads x twice as often from L2: SmolLM2's 121 linears at 64 rows, weights from
-     * memory, 27.5-28.1 -> 21.5-23.6 ms (oneDNN 23-24); in the engine's replayed batch-64
-     * step 19.0-20.1 -> 17.5-18.4 ms (Intel Xeon with AMX, model 167, 2 cores).
+     * feeding four row blocks at once instead reads x twice as often from L2, and is slower.
      * W's tiles are loaded with the streaming hint and prefetched into L2 only: W is used
-     * again from L2 (by the next 32 rows), x from L1, and a W tile kept in L1 pushes x out.
-     * Hot, one thread, 128 rows (model 207): K 576 1.0-1.1 -> 1.3-1.8 TFLOP/s. */
+     * again from L2 (by the next 32 rows), x from L1, and a W tile kept in L1 pushes x out. */
     const int group = KB == 0 || KB * 2048 >= GROUP_BYTES ? 1 : GROUP_BYTES / (KB * 2048);
     #pragma omp parallel num_threads(threads)
     {

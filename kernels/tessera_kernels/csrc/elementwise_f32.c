@@ -1,7 +1,7 @@
 /* The float32 elementwise steps of a decoder layer, each one pass over its rows, as
  * elementwise_bf16.c is for bf16. In float32 torch's RMSNorm is a composite of ~10 ops (pow,
- * mean, add, rsqrt, two muls, each a dispatch and an allocation): ~90 µs a call on a 2.5 GHz
- * Cascade Lake, 61 calls per decode step. The results equal torch's up to float32 rounding:
+ * mean, add, rsqrt, two muls, each a dispatch and an allocation), and a decode step makes
+ * 61 such calls. The results equal torch's up to float32 rounding:
  * the sums run in another order, exp16 is Cephes' polynomial, and products may fuse into FMAs.
  *
  * rms_norm:  y = w * (x * 1/sqrt(mean(x^2) + eps))

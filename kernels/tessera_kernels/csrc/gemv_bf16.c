@@ -13,18 +13,18 @@
 #include "vec16.h"
 
 #define MAX_ROWS 4
-/* Weight rows streamed side by side (see columns), M x COLUMNS(M) accumulators in registers:
- * 32 zmm registers with AVX-512; the AVX2 build's 16 lanes take two of its 16 ymm registers, so
- * there at most four accumulators (more spill). Whether side by side at all is the caller's
- * choice (gemv_cpu.side_by_side(), by the CPU's vendor): faster on an Intel Xeon, slower on Zen 4. */
+/* Weight rows streamed side by side (see columns), M x COLUMNS(M) accumulators in registers: 32
+ * zmm registers with AVX-512; the AVX2 build's 16 lanes take two of its 16 ymm registers, so there
+ * at most four accumulators (more spill). Whether side by side at all is the caller's choice
+ * (gemv_cpu.side_by_side(), by the CPU's vendor): faster on Intel Xeons, slower on AMD EPYC. */
 #if defined(__AVX512F__)
 #define COLUMNS(M) 4
 #else
 #define COLUMNS(M) ((M) == 1 ? 4 : (M) == 2 ? 2 : 1)
 #endif
 /* Each thread streams its columns' weights in order; the hardware prefetcher alone left them
- * at 16 GB/s of the 25 a plain read gets on an Intel Xeon (model 207, 2 cores): asking for the
- * line 4 KiB ahead made SmolLM2's 121 one-row products 15-17 -> 11-13 ms. */
+ * well below a plain read's bandwidth on Intel Xeons: asking for the line 4 KiB ahead brings
+ * the one-row products close to it. */
 #define PREFETCH_BYTES 4096
 
 /* Columns n .. n + C - 1 of y for all M rows: C weight rows streamed side by side. Inlined
@@ -32,10 +32,9 @@
  * a variable they spill, and one row at a time then runs at half the memory's speed:
  * measured). Each accumulator is one column's own chain in the order of i, so the bits do not
  * depend on C; C chains side by side hide the FMA's latency, which one chain per column left
- * exposed on an Intel Xeon: SmolLM2's 121 one-row products with C = 4 instead of 1, 16.3-16.7 ->
- * 12.9-13.5 ms (AMX, model 167, 2 cores; C = 8 was slower again, 14.7 ms). On AMD EPYC Zen 4 it
- * is the other way round: C = 1 8.5-9.6 ms, C = 4 12.3-13.7, C = 2 12.3-14.2 (2 cores, 269 MB
- * at 34 GB/s: one stream per column at the memory's speed, with or without the prefetch). */
+ * exposed on Intel Xeons (where C = 4 beats both 1 and 8). On AMD EPYC it is the other way
+ * round: C = 1 is the fastest, one stream per column at the memory's speed, with or without the
+ * prefetch, while several streams side by side get less of the bandwidth. */
 static inline __attribute__((always_inline))
 void columns(const v16 *xs, const uint16_t *w, const uint16_t *bias, uint16_t *y,
              const int M, const int C, int N, int K, int n) {

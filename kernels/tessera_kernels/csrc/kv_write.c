@@ -2,9 +2,8 @@
  *
  * k_cache[h, slots[t], :] = k[t, h, :]    (and the same for v)
  *
- * torch's index_copy_ along the cache's middle dimension took 20 us a layer for a decode
- * step's 64 tokens (Intel Xeon with AMX, 2 threads; 41 us under the profiler); this is one
- * memcpy per row, 10 us a layer with its Python call. k and v are views of the fused QKV
+ * torch's index_copy_ along the cache's middle dimension costs about twice as much a layer
+ * for a decode step's rows; this is one memcpy per row. k and v are views of the fused QKV
  * output: tokens k_stride elements apart, heads D apart. Element size 2 (bf16) or 4 (float32).
  * A slot of -1 (PAD_SLOT) is a padding row of a replayed step (step_graph.py): nothing is
  * written for it, as vLLM's reshape_and_cache skips the padding tokens of a CUDA graph.

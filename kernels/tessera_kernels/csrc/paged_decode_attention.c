@@ -13,23 +13,20 @@
  * product is left as 16 partial sums, and the 16 tokens' partials are summed together by one
  * transposing tree of shuffles (15 steps for 16 scores, where a sum per token takes 64).
  * The softmax's exponentials are 16 at a time too (vec16.h). A task runs with its group size
- * and head size as constants (attend_any), so its accumulators stay in registers. Measured on
- * AMD EPYC Zen 5, 2 threads, batch 64, context ~190, SmolLM2's 30 layers each with its own
- * cache (so from DRAM), bf16: 21.6 ms per step with one score at a time, a scalar exp and
- * runtime shapes; 9.8 ms after.
+ * and head size as constants (attend_any), so its accumulators stay in registers. Together
+ * these halve a decode step's attention against one score at a time, a scalar exp and runtime
+ * shapes.
  *
  * Memory is kept busy through both passes of a task: the K pass asks for the V rows its V pass
  * reads, and the V pass asks for the K rows of the thread's next task (claimed one ahead), both
- * into L2. Before, the V pass and the softmax left memory idle, and a task's K pass waited on
- * its reads: on AMD EPYC Zen 4 (same setup, blocks at random places in a 1 GiB cache) bf16
- * 21.3 -> 15.8 ms per step, float32 33.9 -> 21.2 ms, where touching the same bytes and
- * nothing else takes 13.4-15 ms.
+ * into L2. Otherwise the V pass and the softmax leave memory idle, and a task's K pass waits
+ * on its reads; with the prefetches a step comes close to the time of touching the same bytes
+ * and nothing else.
  *
  * The rows of a prompt chunk (each token a query whose context ends at itself) go 16 at a
  * time through attend_tile (bf16 dot products) or attend_tile_f32 (FMAs: a float32 cache, or
- * bf16 without AVX512-BF16), with the rows as the lanes. Zen 4, 30 layers, in the engine: one
- * 2000-token prompt 1004 -> 545 ms in bf16, 1427 -> 810 ms in float32 (the AVX2 build: 14.6 s
- * -> 886 ms); 16 prompts of 128 tokens 114 -> 63 ms in bf16. A tile sums a
+ * bf16 without AVX512-BF16), with the rows as the lanes: each K and V row read serves 16
+ * queries, which makes a prompt's attention about twice as fast as row by row. A tile sums a
  * score's products in another order than a single row, so a prompt row's last bits depend on
  * whether its chunk put it in a tile (as torch's kernels' bits depend on the batch's shape).
  */
@@ -226,9 +223,8 @@ static inline __attribute__((always_inline)) void attend_tile(const uint16_t *q,
      * (16) in registers over the whole context: each pair of V vectors loaded feeds rb rows (a row
      * at a time, its sums went to memory every 16 tokens and every V vector was loaded again
      * for every row: more loads than vdpbf16ps). Each sum still runs over the tokens in order,
-     * so the bits are the same. AMD EPYC Zen 4, 2 threads, SmolLM2's heads, one prompt's rows
-     * (bench/prompt_attention.py): 1024 tokens 4.8-5.2 -> 4.1-4.3 ms a layer, 256 tokens 0.65
-     * -> 0.30-0.35 ms, 2048 tokens 19.1 -> 16.7 ms. */
+     * so the bits are the same; a prompt's rows are faster so at every length
+     * (bench/prompt_attention.py). */
     __m512 sums[64];
     for (int g = 0; g < G; g++) sums[g] = _mm512_setzero_ps();
     /* word 2i of a pair vector: token 2tp's probability for row i, word 2i + 1: token 2tp + 1's */
@@ -436,13 +432,10 @@ static inline __attribute__((always_inline)) void attend_tile_f32(const char *q,
      * head reads them (the sums wait in buf.acc between spans, stored and loaded exactly).
      * Each sum runs over the tokens in order and is divided by its row's sum: the bits of the
      * rows-as-lanes V pass below, which loads a probability vector and a broadcast V value
-     * for every FMA and leaves 16 rows' sums to be transposed out. AMD EPYC Zen 4, 2 threads,
-     * one prompt's rows, a bf16 cache (TESSERA_BF16_TILES=fma), best of 3-15, processes
-     * interleaved, SmolLM2's heads (9 x 64, 3 KV): 64 tokens 61-102 -> 47-53 us a layer, 128
-     * 162-189 -> 144-164, 256 517-557 -> 465-499, 1024 7.2-7.8 -> 6.9-7.4 ms; float32 at 128
-     * 162-167 -> 137 us; 8 x 128 (2 KV): 128 tokens 308-334 -> 244-264 us, 2048 47-49 ->
-     * 49-52 ms (whole-context passes, before the spans, read V from L3: 55-57). On AVX2 (16
-     * registers) the blocks were 2x slower than the pass below: it keeps that. */
+     * for every FMA and leaves 16 rows' sums to be transposed out. With AVX-512 the blocks are
+     * faster for short and medium contexts and even for long ones (spans keep V in L2, where
+     * whole-context passes read it from L3; bench/prompt_attention.py). On AVX2 (16 registers)
+     * the blocks are much slower than the pass below: it keeps that. */
     const int cb = n <= V_COLS ? n : n % V_COLS == 0 ? V_COLS : n % 4 == 0 ? 4 : n % 2 == 0 ? 2 : 1;
     const int fit = JB / cb;   /* (conditionals, not loops: constants where G and D are, so o stays in registers) */
     const int rb = fit >= 16 ? 16 : fit >= 8 ? 8 : fit >= 4 ? 4 : fit >= 2 ? 2 : 1;

@@ -1,9 +1,9 @@
 /* bf16 linear by register tiles: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), float32
  * accumulation, one rounding to bf16. Two tiles over the same packed weight: AVX512-BF16 dot
  * products (vdpbf16ps) for CPUs that have them and no AMX (AMD Zen 4 and Zen 5), where a
- * decode step at batch 64 and every prompt chunk are bound by the bf16 dot-product units, not
- * by memory: oneDNN's matmul reached 320 GFLOP/s of the 450 that vdpbf16ps gives on two Zen 4
- * cores; and float32 FMAs (below), built for AVX-512 and for AVX2.
+ * decode step at a large batch and every prompt chunk are bound by the bf16 dot-product units,
+ * not by memory, and oneDNN's matmul leaves a good part of them unused; and float32 FMAs
+ * (below), built for AVX-512 and for AVX2.
  *
  * W is packed once (tile_linear.py) into panels of up to NV_MAX blocks of L output columns
  * (L = 16 with AVX-512, 8 with AVX2). Within a panel, for each pair of inputs k = 2p, 2p + 1,
@@ -15,8 +15,7 @@
  * tile of MR rows of x runs over them; one register tile is MR rows x nv * L columns of
  * float32 accumulators, each weight vector feeding MR rows and each broadcast pair of x
  * feeding nv vectors. The next panel's weights are left to the hardware prefetcher: an L2
- * prefetch of it spread over this panel's row tiles measured the same (Zen 4, 64 rows, twelve
- * interleaved passes: 41.7 against 42.7 ms best, 44.3 against 44.6 median). Each output is
+ * prefetch of it spread over this panel's row tiles gained nothing. Each output is
  * one accumulator running over k in order (oneDNN splits some sums: about one element in
  * 10^4 differs from its result in the last bit).
  */
@@ -43,9 +42,8 @@ typedef __m512i veci;
 #else
 /* 3 x 3 accumulators of AVX2's 16 registers, with a panel's six weight vectors, below 16 rows
  * (where the weights' bytes set the pace); from 16 rows on, each panel unpacked to float32 for
- * tile_linear_f32.c's 4 x 3 tile (below). Zen 3, SmolLM2's linears, medians of 7 interleaved
- * passes: 5 rows 28.6 unpacked against 23.4 ms, 8 rows 42.4 / 33.8, 16 rows 55.5 / 57.7, 32 rows
- * 81.5 / 103.4. */
+ * tile_linear_f32.c's 4 x 3 tile (below): unpacking costs more than it gains below 16 rows
+ * and pays from 16 rows on. */
 #define MR 3
 #define PANEL_F32 1
 #define PANEL_MIN_ROWS 16
@@ -59,8 +57,7 @@ typedef __m256i veci;
 
 /* The FMA tiles ask for the panel's weights 4 KiB ahead: a panel is read from memory by its
  * first row tile (from L2 by the next ones), and the hardware prefetcher alone kept that tile
- * waiting on an Intel Xeon (model 207, SmolLM2's 121 linears: 8 rows 20.2 -> 14.0 ms, 64 rows
- * 74.6 -> 69.3 ms; 2 and 8 KiB the same). */
+ * waiting on Intel cores (2 and 8 KiB ahead do as well as 4). */
 #define AHEAD_ELEMS 2048
 
 /* f rounded to bf16 into p (L values). Without AVX512-BF16 (Intel Cascade Lake, AVX2) as
@@ -123,13 +120,13 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
 #endif
 
 #if PANEL_F32
-/* AVX2's 16 registers hold no pair tile worth having: both inputs' weight vectors at once left
- * 3 x 3 accumulators (AMD Zen 3, SmolLM2's linears at 64 rows: 78-94 GFLOP/s, float32's tiles
- * 137-153). So each thread unpacks a panel to float32 once per pass over the rows (K * 96 bytes,
- * kept in L2 while every row tile runs over it) and runs tile_linear_f32.c's 4 x 3 tile: the
- * weights still cross memory as bf16, and unpacking costs a few percent of the tile's FMAs at
- * 64 rows. Each pair goes in odd input first (2p + 1, then 2p), and x the same way (the
- * caller's xf), so every accumulator takes its products in tile_fma's order below. */
+/* AVX2's 16 registers hold no pair tile worth having: both inputs' weight vectors at once left 3 x
+ * 3 accumulators, well behind float32's 4 x 3 tile. So each thread unpacks a panel to float32 once
+ * per pass over the rows (K * 96 bytes, kept in L2 while every row tile runs over it) and runs
+ * tile_linear_f32.c's 4 x 3 tile: the weights still cross memory as bf16, and unpacking costs a
+ * few percent of the tile's FMAs at 64 rows. Each pair goes in odd input first (2p + 1, then 2p),
+ * and x the same way (the caller's xf), so every accumulator takes its products in tile_fma's
+ * order below. */
 static void unpack_panel(const uint16_t *wp, float *wf, int KP, int nv) {
     for (int p = 0; p < KP; p++)
         for (int v = 0; v < nv; v++) {
@@ -149,8 +146,7 @@ static inline __attribute__((always_inline)) void tile_panel(const float *xf, in
 #endif
 
 /* The same tile by float32 FMAs, for cores that run vdpbf16ps at a fraction of their FMA rate
- * (an Intel Xeon model 207 with AMX hidden by the hypervisor: one core peaks at 77-84 GFLOP/s
- * of vdpbf16ps against 163-170 of FMAs) or have none (Cascade Lake). One load of a pair block
+ * (Intel cores without AMX: about half) or have none (Cascade Lake). One load of a pair block
  * gives both inputs' weights as float32, the even one shifted up 16 bits and the odd one with
  * its low 16 bits cleared, so the weights still cross memory as bf16; x comes as float32 (xf,
  * converted once per call) and is broadcast from memory by the FMA itself. A bf16 product is
@@ -181,7 +177,7 @@ static inline __attribute__((always_inline)) void tile_fma(const float *xf, int6
 }
 
 /* One row of x as float32 (a bf16 is the top half of its float32), L values a vector (a
- * scalar loop cost a 2048-token prompt step ~0.3 s on Zen 3); swap: each pair's two inputs
+ * scalar loop was a visible share of a long prompt's step on AVX2); swap: each pair's two inputs
  * exchanged (x[2p + 1] first), the order of the unpacked panels. K is even. */
 static void row_to_f32(const uint16_t *x, float *xf, int K, int swap) {
     int k = 0;

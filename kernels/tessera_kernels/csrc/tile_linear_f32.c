@@ -1,10 +1,8 @@
 /* float32 linear by FMA register tiles: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), for any
  * row count, on CPUs with AVX2 and FMA (`--dtype float32`; auto is bf16 wherever the bf16 tiles
  * are built, which on AVX2 run this tile over unpacked panels). A decode step reads 4 bytes
- * per weight: at one to four rows oneDNN streamed them at two thirds of what a plain read
- * gets, and at 8 to 64 rows it kept part of the FMA units idle (AMD Zen 4, SmolLM2's 121
- * linears: 1 row 23 -> 16.5 ms, 8 rows 25 -> 17 ms, 64 rows 92 -> 85 ms; with oneDNN held to
- * AVX2 against this kernel built for AVX2, 64 rows 103 -> 85 ms).
+ * per weight: at one to four rows oneDNN streams them well below what a plain read gets, and
+ * at 8 to 64 rows it keeps part of the FMA units idle, on AVX-512 and on AVX2 builds alike.
  *
  * The same panels as tile_linear_bf16.c, with single inputs instead of pairs and L lanes per
  * vector (16 with AVX-512, 8 with AVX2), the register tile in tile_f32.h:

@@ -3,9 +3,9 @@
  *
  * Why not GCC's vector extension, as on AVX-512: GCC 12 keeps a 64-byte vector in memory when
  * no register holds it, builds a broadcast scalar lane by lane on the stack (16 stores and a
- * reload) and moves results through integer registers. Built for Haswell and run on AMD EPYC
- * Zen 4, the attention kernel took 8.5x the time of its AVX-512 build on decode rows and the
- * SwiGLU activation 7x; as two __m256 members each value stays in two registers and every
+ * reload) and moves results through integer registers, which made the AVX2 build of the
+ * attention kernel and the SwiGLU activation several times slower than the AVX-512 build of
+ * the same source; as two __m256 members each value stays in two registers and every
  * operator is two AVX2 instructions. Same operators and lanes, so the kernels' source is one.
  */
 #ifndef TESSERA_VEC16_AVX2_H

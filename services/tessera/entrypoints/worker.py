@@ -223,8 +223,8 @@ async def serve(config: EngineConfig, host: str, port: int, build=None, role: st
 def one_malloc_arena() -> None:
     """glibc gives a thread that allocates an arena of its own, and gives a thread arena's
     free top back to the kernel at once: the engine thread's per-step tensors (logits,
-    activations) then come back as fresh pages every step, one page fault per 4 KiB
-    (measured in a served decode at batch 64: 33,000 faults a second; 3,200 with one arena).
+    activations) then come back as fresh pages every step, one page fault per 4 KiB (with
+    one arena, a served decode at a large batch takes about a tenth of the faults).
     One arena for the process, as MALLOC_ARENA_MAX=1 sets; without glibc, nothing changes."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(-8, 1)    # M_ARENA_MAX
@@ -243,9 +243,9 @@ def _record_step_graphs(engine: Engine, budget_s: float) -> None:
     """For each graph size R (step_graph.StepGraphs.row_counts), a prompt of R tokens alone in
     its step (the recording) and then one of the fewest tokens that pad to R (the check, made on
     padding rows), until budget_s has passed: a user's first prompts are then replayed, not
-    recorded and checked (Intel Xeon with AMX, model 167, 32 prompts of 64-192 tokens one at a
-    time right after a start: TTFT p50 81 ms, 54 ms with this; vLLM 70-76). All 31 sizes: ~5 s
-    there in bf16, ~18 s in float32 on one thread. Sizes the graphs refuse are skipped."""
+    recorded and checked, so the first requests after a start get the TTFT of later ones.
+    Recording every size takes seconds in bf16 and several times longer in float32 on one
+    thread: hence the budget. Sizes the graphs refuse are skipped."""
     from tessera.config import SamplingParams
     graphs = engine.runner.graphs
     if graphs is None or budget_s <= 0:
@@ -281,8 +281,8 @@ def _warmed(engine: Engine) -> Engine:
     rows = min(8, limits.max_num_seqs, limits.max_waiting, engine.kv.num_blocks)
     engine.generate([[bos] * half] * rows, SamplingParams(temperature=0, max_tokens=2))
     # Then one step as long as the token budget (as vLLM's profile run): oneDNN makes its
-    # large-matrix kernels now, not in the first busy minute (measured: the first 64-prompt
-    # run after start was ~3% slower than the next). Its blocks leave the prefix cache, and
+    # large-matrix kernels now, not in the first busy minute (which would otherwise run a
+    # few percent slower than the next). Its blocks leave the prefix cache, and
     # the warm-up's tokens the hit-rate counters.
     full = min(engine.config.scheduler.max_num_batched_tokens, engine.kv.num_blocks * engine.kv.block_size // 2,
                engine.max_model_len - 2)

@@ -3,30 +3,25 @@
 New K/V are written to their slots first. With the C kernel (tessera_kernels.paged_attention_cpu,
 float32 or bfloat16 cache), every token that attends causally, decode and prompt alike, is a
 row of one kernel call straight from the paged cache: a prompt token is a query whose context
-ends at itself (ForwardBatch's causal rows; the kernel takes a chunk's rows 16 at a time). For
-prompt chunks of 128 to 2048 tokens it was 1.4-2.4x faster than torch's SDPA on AMD EPYC Zen 5
-(2 threads, SmolLM2's heads); with the tiles, on Zen 4, 16 prompts of 128 tokens over 30
-layers take 63 ms against SDPA's 173, one of 2000 tokens 545 against 1154 (float32: 810
-against 1170). Where the CPU has AMX, bf16 prompt chunks that start at position 0 go to SDPA
-instead in steps of more than PROMPTS_ON_KERNEL_UP_TO tokens (prompts_by_sdpa), whose flash
-attention runs its products on AMX: 16 prompts of 128 tokens, 30 layers, 52 ms against the
-kernel's 134 ms before its prompt tiles (Intel Xeon, 2 threads; 88 against 101 ms with them,
-model 207); decode rows stay on the kernel, and so do prompt chunks whose rows attend to at
-most CHUNK_CONTEXT_ON_KERNEL_UP_TO tokens (below). A longer chunk after cached tokens (a prefix
-hit, the next chunk of a long prompt) goes to SDPA there too, attending to its gathered context
-with an offset causal mask: a 6000-token prompt's three chunks took 12.6-13.7 s with such
-chunks on the kernel, 8.1-8.6 s so (model 207, 2 threads).
+ends at itself (ForwardBatch's causal rows; the kernel takes a chunk's rows 16 at a time). On
+CPUs without AMX the kernel, with its prompt tiles, is faster than torch's SDPA for prompts of
+every length. Where the CPU has AMX, SDPA's flash attention runs its products on AMX and wins
+for long prompts, so there bf16 prompt chunks that start at position 0 go to SDPA in steps of
+more than PROMPTS_ON_KERNEL_UP_TO tokens (prompts_by_sdpa); decode rows stay on the kernel, and
+so do prompt chunks whose rows attend to at most CHUNK_CONTEXT_ON_KERNEL_UP_TO tokens (below).
+A longer chunk after cached tokens (a prefix hit, the next chunk of a long prompt) goes to SDPA
+there too, attending to its gathered context with an offset causal mask. The measurements
+behind these thresholds are in docs/performance-notes.md.
 Without the kernel, decode tokens attend as one batch whose blocks are gathered whole (one
-index_select per layer, already [kv_heads, B, L, D] in this layout), query heads sharing a
-KV head grouped so GQA needs no copy of K/V; each prefill chunk attends causally through
-SDPA (enable_gqa, no copy of K/V), to itself alone when it starts at position 0, else to its
-gathered context with an offset causal mask. A draft tree's nodes (tree verification: each
-attends to the context and its ancestors only) are rows of the kernel too, each with its own
-list of slots as a table of one-slot blocks. Each row reads the context again (from cache: one
-layer's is a few MB), and still an 8-node verification step of SmolLM2 (Zen 4, bf16, 2 threads)
-took 25.2 ms against 28.4 with SDPA (gather + mask) at 128 tokens of context, 39.7 against
-46.6 at 2,000. The draft model's expansions (spec/drafter.py) pass their rows' slots the same
-way; a chunk given an explicit mask takes SDPA.
+index_select per layer, already [kv_heads, B, L, D] in this layout), query heads sharing a KV head
+grouped so GQA needs no copy of K/V; each prefill chunk attends causally through SDPA (enable_gqa,
+no copy of K/V), to itself alone when it starts at position 0, else to its gathered context with an
+offset causal mask. A draft tree's nodes (tree verification: each attends to the context and its
+ancestors only) are rows of the kernel too, each with its own list of slots as a table of one-slot
+blocks. Each row reads the context again (from cache: one layer's is a few MB), and still a
+verification step is faster this way than through SDPA with a gathered context and an explicit
+mask. The draft model's expansions (spec/drafter.py) pass their rows' slots the same way; a chunk
+given an explicit mask takes SDPA.
 """
 from __future__ import annotations
 
@@ -41,22 +36,19 @@ from tessera.batch import ForwardBatch, PrefillChunk
 from tessera_kernels import cbuild, paged_attention_cpu
 
 # A step of at most this many tokens keeps its prompt chunks on the kernel even where SDPA
-# takes them (AMX): the kernel is as fast for short prompts (one 128-token prompt, 30 layers:
-# 8.5 against 9.5 ms; 512 tokens 88 against 45, 2048 1196 against 378; Intel Xeon with AMX,
-# model 207, 2 threads), and a step whose every call is a C kernel's can be recorded and
-# replayed (step_graph.py: steps of up to this many tokens).
+# takes them (AMX): the kernel is about as fast for short prompts (SDPA pulls ahead only for
+# longer ones), and a step whose every call is a C kernel's can be recorded and replayed
+# (step_graph.py: steps of up to this many tokens).
 PROMPTS_ON_KERNEL_UP_TO = 256
 
 # In a larger step where SDPA takes prompts, a prompt chunk whose rows attend to at most this
 # many tokens stays on the kernel, in its one call with the decode rows: SDPA batches only
-# fresh prompts of equal length into one call, and a step of prompts of varied length made one
-# SDPA call per prompt. Alone, one prompt's SDPA call is the faster even at 128 tokens (0.12
-# against 0.15 ms a layer, bench/prompt_attention.py), but in the step the kernel won: Intel
-# Xeon with AMX (model 167), 2 threads, bf16, 64 prompts at once in 2048-token steps
-# (bench/prefill_steps.py), prompts of 64-192 tokens 527-565 ms a prefill step all on SDPA,
-# 442-470 so; of 128 tokens each (16 per SDPA call) even (437-473 against 437-459). Longer chunks
-# keep SDPA's flash attention (one prompt's rows over 30 layers, kernel against SDPA: 512 tokens
-# 58 against 34 ms, 2048 833 against 294). 256 was compared only with 0 (every chunk on SDPA).
+# fresh prompts of equal length into one call, and a step of prompts of varied length makes one
+# SDPA call per prompt. Alone, one short prompt's SDPA call is a little faster than the kernel
+# (bench/prompt_attention.py), but in a step of many prompts of varied length the kernel's one
+# call wins, and with prompts of one length the two are even (bench/prefill_steps.py). Longer
+# chunks keep SDPA's flash attention, which is well ahead from a few hundred tokens on. Only 256
+# and 0 (every chunk on SDPA) have been compared.
 CHUNK_CONTEXT_ON_KERNEL_UP_TO = 256
 
 
@@ -96,9 +88,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             continue
         mask = chunk.mask if masks is None or masks[j] is None else masks[j]
         if chunk.context_slots is None and mask is None:
-            # Fresh prompts of this length right after this one join its SDPA call as a batch
-            # (one call for the step's 16 prompts of 128 tokens: 71 against 101 ms over 30
-            # layers, the same bits; Intel Xeon with AMX, 2 threads).
+            # Fresh prompts of this length right after this one join its SDPA call as a batch:
+            # one call for all of them is faster than one per prompt, with the same bits.
             b = 1
             while todo and _fresh_and_next(batch.prefills[todo[0]], s + b * n, n, masks, todo[0]):
                 todo.pop(0)
@@ -145,7 +136,7 @@ def prompts_by_sdpa(q: torch.Tensor) -> bool:
     """Whether a step's long prompt chunks (_sdpa_takes; q: all of the step's tokens) attend
     through SDPA although the kernel applies: bf16 where the CPU has AMX, in steps of more than
     PROMPTS_ON_KERNEL_UP_TO tokens (see the module docstring; TESSERA_PROMPTS_BY_KERNEL=1 keeps
-    them all on the kernel there, for the A/B)."""
+    them all on the kernel there, to compare the two)."""
     return q.dtype == torch.bfloat16 and q.shape[0] > PROMPTS_ON_KERNEL_UP_TO and _amx_prompts_by_sdpa()
 
 

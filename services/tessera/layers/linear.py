@@ -5,22 +5,20 @@
   (tessera_kernels.gemv_cpu). It may differ from torch in the last bit (summation order).
 - A bf16 product of 5 rows or more, where the CPU has AMX, goes to the AMX tile kernel
   (tessera_kernels.amx_linear): faster than oneDNN up to 32 rows (where its results equal
-  oneDNN's bit for bit), about as fast at 33-64 and 10-20 % faster for prompt chunks of
+  oneDNN's bit for bit), about as fast at 33-64 and faster again for prompt chunks of
   128-2048 rows; unlike oneDNN's, its calls can be replayed (step_graph.py). Above 32 rows
   one element in 10^4 differs in the last bit.
 - A bf16 product of 5 or more rows where the CPU has no AMX but AVX512-BF16 (AMD Zen 4 and
   Zen 5; Intel without AMX, where the same tiles run as float32 FMAs), or AVX-512 or AVX2 with
   FMA (Intel Cascade Lake, AMD Zen 3: float32 FMAs over bf16 weights), and a float32 product
   of any size where it has AVX2 and FMA, go to the register-tile
-  kernels (tessera_kernels.tile_linear): oneDNN leaves part of the vector units idle there
-  (Zen 4, SmolLM2's 121 linears: bf16 at 64 rows 49-55 -> 42-44 ms, float32 at one row
-  22-23 -> 11-16.5 ms). Their results differ from oneDNN's in the last bit in about one
+  kernels (tessera_kernels.tile_linear): oneDNN leaves part of the vector units idle there.
+  Their results differ from oneDNN's in the last bit in about one
   element in 10^4. Either packed kernel's copy of the weight is made on first use.
 - Any other product (float32 where the register tiles are not built,
   shapes they do not take) goes to oneDNN with the weight reordered once into its blocked layout
   (the reorder inductor's weight freezing does), instead of torch's F.linear, which repacks
-  the weight on every call. Measured on AMD EPYC Zen 5 (2 cores), SmolLM2's shapes: bf16 at
-  64 rows 400 -> 750-800 GFLOP/s, at 512 rows 800 -> 950; float32 at 64 rows 175 -> 440.
+  the weight on every call, which costs a large share of a small product's time.
   The bf16 result is bitwise F.linear's. The blocked copy is made on first use and kept
   beside the weight (made again if the weight changes); autograd never takes this path.
 """
@@ -97,7 +95,7 @@ class Linear(nn.Linear):
 @functools.cache
 def onednn_supports(dtype: torch.dtype) -> bool:
     """Whether oneDNN runs this dtype's linears here (bf16 needs AVX-512 or AVX2-VNNI class
-    hardware). TESSERA_DISABLE_ONEDNN=1 turns this path off (for A/B measurements), and so
+    hardware). TESSERA_DISABLE_ONEDNN=1 turns this path off (to compare the paths), and so
     does TESSERA_DISABLE_CPU_KERNELS=1, which turns off the C kernels too."""
     if "1" in (os.environ.get("TESSERA_DISABLE_ONEDNN"), os.environ.get("TESSERA_DISABLE_CPU_KERNELS")) or not torch.backends.mkldnn.is_available():
         return False

@@ -13,8 +13,8 @@ its reference does the same. On CPU:
   decode step, where it widens the codes in registers; for more rows (prefill, big batches)
   the weight is dequantized to bf16 by the same library on each call (nothing cached: the
   point is memory) and multiplied by torch's GEMM.
-  torch's own int4 kernel read its quarter of the bytes slower than our dense bf16 path reads
-  all of them (measured: README, "Weight-only quantization").
+  torch's own int4 kernel reads its quarter of the bytes slower than our dense bf16 path reads
+  all of them (docs/benchmarks/quantization.md).
 - int8 runs our C kernel for one or two rows and torch's aten._weight_int8pack_mm otherwise.
 GGUF Q4_0/Q4_1 blocks are the int4 form with G = 32 (`Int4Linear.from_codes`; their fp16
 scales and offsets rounded to bf16), so they are served without a dense copy.
@@ -32,9 +32,9 @@ from tessera_kernels import gemv_quant_cpu
 
 BITS = (3, 4, 8, 16)
 COMPUTE_DTYPE = torch.bfloat16
-# Rows up to which the C GEMVs beat the alternative (AMD EPYC Zen 4, 2 threads, SmolLM2's four
-# linear shapes together): int4 at 16 rows 761 us against dequantize + GEMM 776, at 32 rows 2179
-# against 1046; int8 at 2 rows 172 against torch's packed kernel 180, at 4 rows 273 against 243.
+# Rows up to which the C GEMVs beat the alternative on SmolLM2's linear shapes: int4 against
+# dequantize + GEMM (even at 16 rows, well behind at 32), int8 against torch's packed kernel
+# (ahead at 2 rows, behind at 4).
 GEMV_MAX_ROWS = 16
 GEMV_MAX_ROWS_INT8 = 2
 
@@ -186,7 +186,7 @@ def decode_regimes(bits: int, dtype: torch.dtype) -> tuple[tuple[int, int], ...]
     kernel in turn, the last one taking every larger b (most rows 0). The cost model fits one
     decode regression per regime (pipeline/costmodel.py: Piecewise). Inside the int4 GEMV one
     row takes its own path (exact float32 weights; csrc/gemv_quant.c), and torch's packed int8
-    kernel costs a step every 4 rows (measured: 5 rows cost what 8 do, within 20 %)."""
+    kernel costs a step every 4 rows (5 rows cost about what 8 do)."""
     from tessera_kernels import gemv_cpu
     if bits == 16:
         gemv = dtype == torch.bfloat16 and gemv_cpu.available()

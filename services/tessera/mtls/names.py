@@ -1,6 +1,6 @@
 """Who is who on the internal network: each process holds a certificate from its deployment's
 CA naming its role, and every internal link checks the other end's certificate before a byte
-of a request moves (docs in README, "Deployment: internal TLS").
+of a request moves (docs/security.md).
 
 A certificate carries two kinds of names:
 - a SPIFFE-style URI SAN, spiffe://<deployment>.tessera/<role>: who the holder is. A server

@@ -18,14 +18,13 @@ Three forms, all from calibration text (quality.py's first half of pydoc_data.to
   with our quantizer's own steps (int8: per row; int3/int4: per group of G columns).
 - `omega_paper`: the paper's cruder form, (max row range / (2^(b-1) - 1))^2 · Σ Var(x).
 
-Why the measured form is the default: on SmolLM2 at 3 bits the two statistic-only forms rank
-the layers almost at random against the measured held-out perplexity increase (Spearman
-0.23 and 0.27), and so do second-order (Fisher-weighted) estimates, while the KL of a layer
-alone (0.67) ranks them about as well as two held-out halves rank each other (0.72; README,
-"Heterogeneous quantized pipeline"). A
-linear's output error is not what the loss sees: later layers and the residual stream decide
-how much of it survives. `validate` measures what the indicator predicts: the held-out
-perplexity increase of quantizing one layer at a time.
+Why the measured form is the default: against the held-out perplexity increase of quantizing one
+layer at a time, the two statistic-only forms rank SmolLM2's layers little better than chance, and
+so do second-order (Fisher-weighted) estimates, while the KL of a layer alone ranks them about as
+well as two held-out halves rank each other (docs/design/pipeline.md#indicator; the numbers are in
+docs/benchmarks/pipeline.md). A linear's output error is not what the loss sees: later layers and
+the residual stream decide how much of it survives. `validate` measures what the indicator
+predicts: the held-out perplexity increase of quantizing one layer at a time.
 """
 from __future__ import annotations
 

@@ -59,9 +59,9 @@ _next_layer = itertools.count()   # across points too: a point must not find the
 
 def time_layer(model, b: int, s: int, i: int, prefill: bool, reps: int) -> float:
     """Median seconds of one decoder layer on that batch (after one warm-up run). Each run takes
-    the next layer of the model (all at one bit-width; layers share one shape), so its weights
-    come from memory as in a stage of many layers: one layer timed again and again keeps them in
-    L2/L3 (on Zen 5 its decode was 1.1-1.7x faster than in a 30-layer stack)."""
+    the next layer of the model (all at one bit-width; layers share one shape), so its weights come
+    from memory as in a stage of many layers: one layer timed again and again keeps them in L2/L3
+    and decodes markedly faster than it does in a stack (docs/design/pipeline.md#profiling)."""
     import torch
 
     from tessera.models.driver import run_layers
@@ -101,9 +101,10 @@ def _neighbour(model_name: str, bits: int, group_size: int, dtype: str, threads:
     decode step of 4 rows, over and over, until killed or its parent is gone.
 
     The virtual devices are cores of one machine, and in a pipeline they all stream weights at
-    once from the memory they share: on Zen 5 one layer's decode at 4 rows beside a 16-bit
-    neighbour was 16-bit +14 %, 8-bit +4 %, 4-bit +5 %. Plans differ in this as in their bits,
-    so a per-step overhead measured on a 16-bit reference could not carry it. Spawned, not
+    once from the memory they share: a layer's decode beside a busy neighbour slows down, by an
+    amount that depends on its bit-width (16-bit layers, which read the most, the most). Plans
+    differ in this as in their bits, so a per-step overhead measured on a 16-bit reference could
+    not carry it. Spawned, not
     forked: OpenMP does not survive a fork."""
     import torch
 

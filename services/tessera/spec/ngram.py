@@ -7,7 +7,8 @@ occurrence into one tree, so several guesses are verified in the same target for
 
 min_n is 2 (vLLM's `prompt_lookup_min` plays the same role): a single repeated token says
 little about what follows it, and verifying a tree of such guesses costs more than it wins
-where nothing repeats (chat: measured 0.75-0.80x plain decoding with min_n 1; README).
+where nothing repeats: with min_n 1, chat decodes slower than without speculation
+(docs/design/speculative.md#prompt-lookup; docs/benchmarks/speculative.md).
 """
 from __future__ import annotations
 

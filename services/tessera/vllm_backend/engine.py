@@ -57,9 +57,8 @@ def start(config: EngineConfig, compile_model: bool = False, role: str = "worker
 def vllm_dtype(name: str) -> str:
     """--dtype for vLLM: 'auto' is vLLM-CPU's faster dtype on this CPU, not the native engine's.
     bfloat16 only where the CPU multiplies it (AMX, AVX512-BF16); elsewhere vLLM-CPU emulates
-    bf16 and float32 serves 3-5x faster (64 x 128/128 at once: Cascade Lake 59 against 203
-    tok/s, AMD Zen 3 36 against 172), while the native engine's bf16 tiles run at float32's
-    speed there."""
+    bf16 and serves several times faster in float32 (docs/vllm-backend.md), while the native
+    engine's bf16 tiles run at float32's speed there."""
     from tessera_kernels import cbuild
     if name != "auto":
         return name
