@@ -31,6 +31,24 @@ def test_expert_node_refuses_bad_expert_sets_with_a_clear_error():
         assert out.returncode == 78 and error in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
+def test_a_missing_model_and_a_taken_gateway_port_are_configuration_errors(tmp_path):
+    """Exit 78 (never restarted by a supervisor), one line, no traceback: a restart would fail
+    the same way."""
+    import socket
+    missing = subprocess.run([sys.executable, "-m", "tessera.cli", "worker", "--model", str(tmp_path / "none"),
+                              "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 78 and "does not exist" in missing.stderr, missing.stderr
+    assert "Traceback" not in missing.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "tessera.cli", "gateway", "--worker", "127.0.0.1:1",
+                              "--port", str(port)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 78 and f"cannot listen on 127.0.0.1:{port}" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_serve_refuses_a_malformed_drafter_before_starting_anything():
     for spec, error in (("self@int2", "unknown draft quantization 'int2'"), ("self:x", "self:K needs an integer K")):
         out = subprocess.run([sys.executable, "-m", "tessera.cli", "serve", "--speculative", spec, "--port", "8399"],

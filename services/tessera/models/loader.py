@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tessera import huge_pages
+from tessera.config import ConfigError
 from tessera.models.default_model import DEFAULT_MODEL, DEFAULT_MODEL_ID, default_model_file
 from tessera.models.llama import CausalLM, match_rules
 from tessera.models.mixtral import MixtralForCausalLM
@@ -34,7 +35,7 @@ def resolve_model_path(model: str) -> pathlib.Path:
         return default_model_file()
     path = pathlib.Path(model).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"model path {path} does not exist")
+        raise ConfigError(f"model path {path} does not exist")
     return path
 
 
@@ -89,7 +90,7 @@ def iter_checkpoint(path: pathlib.Path) -> Iterator[tuple[str, Callable[[], torc
     from safetensors import safe_open
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}")
+        raise ConfigError(f"no *.safetensors in {path}")
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():

@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 
 from tessera import redis_conn
+from tessera.config import ConfigError
 from tessera.batch_jobs.config import BatchConfig
 from tessera.entrypoints.gateway.admission import Admission, AdmissionConfig, digest
 from tessera.gc_heap import freeze_startup_heap
@@ -66,6 +68,7 @@ def main(config: GatewayConfig, admission: AdmissionConfig) -> int:
         return GrpcWorkerClient(address, idle_timeout_s=config.stream_idle_timeout_s)
     if admission.keys_from_redis and not registry_url:
         raise SystemExit("--api-keys-from-redis needs --registry (the Redis URL)")
+    listener = _listen(config.host, config.port)   # before waiting for workers: a taken port fails now
     background, client = [], None
     if registry_url:
         from tessera.registry import RedisRegistry
@@ -85,9 +88,25 @@ def main(config: GatewayConfig, admission: AdmissionConfig) -> int:
                      BatchAPI.build(config.batch, registry_url, config.registry_prefix))
     freeze_startup_heap()
     print(f"tessera gateway on http://{config.host}:{config.port} -> {source} ({model})", flush=True)
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning",
-                timeout_graceful_shutdown=config.shutdown_grace_s)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
+                                           timeout_graceful_shutdown=config.shutdown_grace_s))
+    server.run(sockets=[listener])
     return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The HTTP listening socket, bound here rather than by uvicorn so that a port in use is a
+    ConfigError (exit 78, never restarted: a restart would find it taken again)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(2048)
+    return sock
 
 
 async def _wait_for_registered(url: str, prefix: str, model: str | None, wait_s: float) -> tuple[str, str]:
