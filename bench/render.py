@@ -28,7 +28,8 @@ PAGES = {
                "machine in the same hour. Output tokens/s counts every output token over the wall time; TTFT is send "
                "to first token, TPOT (end to end − TTFT) / (tokens − 1) per request.", ("served",)),
     "engine": ("Engine and kernels", "The engine without HTTP (`tessera bench engine`), single kernels against "
-               "their references, and where a step's time goes.", ("engine", "kernel", "step", "prefill", "dtype")),
+               "their references, and where a step's time goes.",
+               ("engine", "kernel", "linears", "step", "prefill", "dtype", "agreement")),
     "speculative": ("Speculative decoding", "Batch-1 greedy decode speed with tree speculation against plain "
                     "decoding of the same prompt (`tessera bench spec`); every speculative output is checked "
                     "token by token against plain greedy.", ("spec",)),
@@ -43,6 +44,13 @@ PAGES = {
     "reliability": ("Reliability and TLS", "Long runs under faults (`loadtest/chaos.py`) and what mutual TLS costs "
                     "on the internal links.", ("chaos", "tls")),
 }
+# a benchmark's heading on its page
+HEADINGS = {"engine": "Offline engine", "kernel": "Kernels against their references", "linears": "Linear layers",
+            "step": "Where a step's time goes", "prefill": "Prompt steps", "dtype": "bfloat16 against float32",
+            "agreement": "Agreement with vLLM's engine", "afd": "Attention–FFN disaggregation",
+            "m2n": "M2N transport", "pq": "Plans: predicted against measured", "pq-error": "Cost-model error",
+            "pq-indicator": "Quantization-sensitivity indicator", "chaos": "Faults under load",
+            "tls": "What mutual TLS costs"}
 # the columns a benchmark's table starts with (the rest follow in the order they first appear)
 FIRST = {
     "served": ("server", "dtype", "quantization", "num_prompts", "concurrency", "input_len", "output_len",
@@ -177,7 +185,8 @@ def date_text(doc: dict) -> str:
 
 def section(stem: str, doc: dict, images: list[str]) -> list[str]:
     versions = ", ".join(f"{k} {esc(v)}" for k, v in doc["versions"].items() if v)
-    lines = [f"### {esc(doc['title'])} {{#{stem}}}", "",
+    title = doc["title"][:1].upper() + doc["title"][1:]
+    lines = [f"### {esc(title)} {{#{stem}}}", "",
              f"- **Date**: {date_text(doc)}", f"- **Machine**: {machine_text(doc['machine'])}",
              f"- **Command**: {code(doc['command'])}"]
     if versions:
@@ -188,9 +197,12 @@ def section(stem: str, doc: dict, images: list[str]) -> list[str]:
     lines.append(f"- **Result file**: `bench/results/{stem}.json`")
     if doc.get("notes"):
         lines.append(f"- **Notes**: {esc(doc['notes'])}")
+    short = {k: v for k, v in (doc.get("details") or {}).items() if len(json.dumps(v)) <= 160}
+    if short:
+        lines.append("- **Summary**: " + "; ".join(f"{esc(k)} {cell(v)}" for k, v in short.items()))
     lines += ["", *table(doc["rows"], FIRST.get(doc["benchmark"], ())), ""]
     for name in images:
-        lines += [f"![{esc(doc['title'])}](img/{name})", ""]
+        lines += [f"![plot of {stem}](img/{name})", ""]
     return lines
 
 
@@ -248,7 +260,8 @@ def headline(docs: list[tuple[str, dict]]) -> list[dict]:
         pair = served_pair(doc) if doc["benchmark"] == "served" else None
         if pair is None:
             continue
-        kind, key = doc["machine"]["kind"], (doc["date"][:10], pair["time"] or doc["date"][11:], pair["rows_used"], stem)
+        kind = doc["machine"]["kind"]
+        key = (doc["date"][:10], pair["time"] or doc["date"][11:], pair["rows_used"], stem)
         if kind not in best or key > best[kind][0]:
             best[kind] = (key, {**pair, "kind": kind, "stem": stem, "doc": doc})
     return [best[k][1] for k in KINDS if k in best]
@@ -284,8 +297,11 @@ def page(name: str, docs: list[tuple[str, dict]], heads: list[dict], images: dic
                   *headline_table(heads, "#{stem}"), ""]
     lines += extra
     mine = [(stem, doc) for stem, doc in docs if page_of(doc["benchmark"]) == name]
-    for benchmark in dict.fromkeys(doc["benchmark"] for _, doc in mine):
-        lines += [f"## {esc(benchmark)}", ""] if len({d["benchmark"] for _, d in mine}) > 1 else ["## Results", ""]
+    present = {doc["benchmark"] for _, doc in mine}
+    order = [b for b in PAGES[name][2] if b in present] + sorted(present - set(PAGES[name][2]))
+    for benchmark in order:
+        lines += [f"## {esc(HEADINGS.get(benchmark, benchmark))}", ""] \
+            if len({d["benchmark"] for _, d in mine}) > 1 else ["## Results", ""]
         for stem, doc in mine:
             if doc["benchmark"] == benchmark:
                 lines += section(stem, doc, images.get(stem, []))
