@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-dev serve test bench render setup-vllm test-vllm
+.PHONY: setup setup-dev serve test docs bench-docs render setup-vllm test-vllm
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +21,17 @@ setup-dev: setup
 serve: setup
 	$(BIN)/tessera serve
 
-test: setup-dev
+test: setup-dev docs
 	$(BIN)/python -m pytest -q tests
+
+# The documentation site (docs/, mkdocs.yml); --strict: a broken link or anchor fails the build.
+# The CLI and OpenAPI reference pages are generated from the code as it builds (docs/hooks/).
+docs: setup-dev
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+# The benchmark pages and plots (docs/benchmarks/) and the README's headline table, from bench/results/.
+bench-docs: setup-dev
+	$(BIN)/python bench/render.py
 
 # vLLM as a backend engine (`tessera worker --engine vllm`) in its own environment, so vLLM's
 # pins never move .venv; CUDA hosts: make setup-vllm VLLM_SPEC=vllm==0.33.0.
