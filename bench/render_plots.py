@@ -236,7 +236,7 @@ def median(values) -> float | None:
 
 
 def draw_all(plots: list[Plot], out_dir) -> None:
-    """Write every plot as out_dir/NAME, deterministically."""
+    """Write every plot as out_dir/NAME, deterministically, and remove the PNGs no page shows."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -246,3 +246,5 @@ def draw_all(plots: list[Plot], out_dir) -> None:
         fig = draw(plt)
         fig.savefig(out_dir / name, metadata={"Software": None})
         plt.close(fig)
+    for stale in set(out_dir.glob("*.png")) - {out_dir / name for name, _ in plots}:
+        stale.unlink()      # a plot of a result file that is gone
