@@ -91,7 +91,7 @@ def sample_plot(stem: str, doc: dict) -> list[Plot]:
         axes[1].legend(fontsize=6)
         fig.tight_layout()
         return fig
-    return [(f"{stem}-samples.png", draw)]
+    return [(f"{stem}-ttft-tpot.png", draw)]
 
 
 def spec_plot(stem: str, doc: dict) -> list[Plot]:

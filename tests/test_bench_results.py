@@ -79,7 +79,7 @@ def test_a_served_run_becomes_a_result_file_with_its_samples(render, tmp_path):
     assert render.problems(written) == [] and len(written["rows"]) == 2
     assert written["rows"][0]["server"] == "tessera" and written["rows"][0]["samples"]["ttft_ms"] == [5.0, 6.0]
     texts = render.render(out.parent, tmp_path / "pages", plots=False)
-    assert "img/served-test-samples.png" in texts["served.md"]
+    assert "img/served-test-ttft-tpot.png" in texts["served.md"]
 
 
 def test_the_machine_is_described(render):
