@@ -18,6 +18,7 @@ from servers import Logged, free_port, free_port_range, wait_until
 
 pytestmark = pytest.mark.e2e
 GRACE_S = 20
+TOKENS = 256   # per stream: enough that every stream is still running when its worker is killed
 
 
 async def _chat(client, model: str, i: int, max_tokens: int, first: asyncio.Event | None = None):
@@ -106,15 +107,16 @@ def test_up_restarts_a_sigkilled_worker_while_its_streams_fail_over(single):
     async def run():
         client = _openai(url)
         firsts = [asyncio.Event() for _ in range(6)]
-        tasks = [asyncio.create_task(_chat(client, model, i, 48, firsts[i])) for i in range(6)]
+        tasks = [asyncio.create_task(_chat(client, model, i, TOKENS, firsts[i])) for i in range(6)]
         await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 60)
+        assert not any(t.done() for t in tasks), "a stream ended before the kill: nothing left to fail over"
         try:
             os.kill(victim, signal.SIGKILL)
         except ProcessLookupError:
             raise AssertionError("worker-0 died before the kill:\n" + "\n".join(up.lines[-60:])) from None
         return await asyncio.gather(*tasks)
     results = asyncio.run(run())
-    assert [r[1:] for r in results] == [("length", 48)] * 6 and all(r[0] for r in results)
+    assert [r[1:] for r in results] == [("length", TOKENS)] * 6 and all(r[0] for r in results)
     up.wait_for(r"worker-0 \(pid \d+\) exited with signal SIGKILL; restarting in", 10)
     assert up.pid("worker-0") != victim
     assert asyncio.run(_chat(_openai(url), model, 7, 4))[1] == "length"       # a new request succeeds
