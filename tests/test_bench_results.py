@@ -94,3 +94,43 @@ def test_the_machine_is_described(render):
     assert machine.cpu_kind("GenuineIntel", 6, 85, {"avx512f"}) == "xeon-avx512"
     assert machine.command_line(["/x/.venv/bin/tessera", "bench", "serve"]) == "tessera bench serve"
     assert machine.command_line(["bench/tls_cost.py", "3"]) == "python bench/tls_cost.py 3"
+
+
+def test_every_benchmark_s_rows_become_a_result_file(render, monkeypatch):
+    """tessera.bench.rows turns each command's own output into schema rows (synthetic outputs
+    here, with the keys each command prints)."""
+    from tessera.bench import machine, rows
+    monkeypatch.setattr(machine, "mem_bandwidth_gbs", lambda *a, **k: None)
+    a = argparse.Namespace(model="m", batch=4, input_len=8, output_len=4, dtype="float32", max_tokens=8,
+                           prompt_len=8, gen_len=4)
+    mono = {"mode": "monolithic", "batch": 4, "output_tokens": 8, "output_tok_s": 10.0, "iteration_ms": 1.0}
+    afd = [{"mode": "afd", "micro_batches": m, "batch": 4, "output_tok_s": 8.0 + m, "iteration_ms": 2.0,
+            "projection_simulated": [{"attention_nodes": 2, "expert_nodes": 1, "expert": "aggregated",
+                                      "iteration_ms": 1.5, "output_tok_s": 20.0, "tok_s_per_core": 6.7}]}
+           for m in (1, 2)]
+    spec = {"rows": [{"mode": "plain", "drafter": None, "kind": "code", "output_tok_s": 10.0},
+                     {"mode": "serial", "drafter": "ngram", "kind": "code", "output_tok_s": 15.0,
+                      "acceptance_length": 1.5, "predicted_tok_s": 14.0, "identical": True},
+                     {"mode": "disaggregated", "drafter": "ngram", "kind": None, "skipped": "model-free"}],
+            "profile": {}, "measured_on": {}}
+    pq = {"rows": [{"plan": "llm-pq", "stages": 2, "layout": "dev-a[0:16) 16x16 | dev-b[16:30) 16x5 4x9",
+                    "predicted_tok_s": 300.0, "measured_tok_s": 230.0, "perplexity": 23.0,
+                    "workloads": [{"error_pct": 30.0, "profiled_error_pct": 3.0}]},
+                   {"plan": "uniform", "stages": 0, "predicted_tok_s": None, "measured_tok_s": None,
+                    "error": "no plan fits"}],
+          "errors": {}, "calibration": None, "profiled_overhead": None}
+    docs = [rows.afd(a, mono, afd), rows.spec(a, spec), rows.pq(a, pq),
+            rows.quant(a, [{"bits": 4, "source": "rtn", "dtype": "bfloat16", "batch": 1, "output_tok_s": 9.0,
+                            "tpot_ms": 1.0, "perplexity": 24.0},
+                           {"kind": "linear", "name": "qkv", "shape": [960, 576], "bits": 4, "batch": 1, "us": 5.0}]),
+            rows.engine(a, [{"impl": "tessera", "batch": 1, "input_len": 8, "output_len": 4, "dtype": "bfloat16",
+                             "output_tok_s": 9.0}, {"impl": "transformers", "batch": 1, "input_len": 8,
+                                                    "output_len": 4, "dtype": "float32", "output_tok_s": 3.0}])]
+    for doc in docs:
+        assert render.problems(doc) == [], doc["benchmark"]
+    afd_doc, spec_doc, pq_doc, quant_doc, engine_doc = docs
+    assert [r["simulated"] for r in afd_doc["rows"]] == [False, False, False, True, True]
+    assert spec_doc["rows"] == [{**spec_doc["rows"][0], "baseline_tok_s": 10.0, "spec_tok_s": 15.0, "speedup": 1.5}]
+    assert pq_doc["rows"][0]["bits"] == "16x21 4x9" and pq_doc["rows"][0]["devices"] == "dev-a, dev-b"
+    assert quant_doc["rows"][0]["quantization"] == "int4" and quant_doc["rows"][1]["rows"] == 1
+    assert engine_doc["rows"] == [{**engine_doc["rows"][0], "tok_s": 9.0, "reference_tok_s": 3.0}]

@@ -57,15 +57,15 @@ def engine(a: argparse.Namespace, rows: list[dict]) -> dict:
 
 def quant(a: argparse.Namespace, rows: list[dict]) -> dict:
     """`tessera bench quant`: quantization None (dense), int8/int4/int3 or gguf-q4; --kernels'
-    rows are single linears (kernel, shape, bits, batch, us)."""
+    rows are single linears (kernel, shape, bits, rows, us)."""
     out = []
     for r in rows:
         if r.get("kind") == "linear":
             out.append({"kernel": r["name"], "shape": "x".join(map(str, r["shape"])), "bits": r["bits"],
-                        "batch": r["batch"], "us": r["us"]})
+                        "rows": r["batch"], "us": r["us"]})
             continue
         q = None if r["bits"] == 16 else "gguf-q4" if r["source"] == "gguf-q4" else f"int{r['bits']}"
-        out.append({"quantization": q, "dtype": r["dtype"], "batch": r["batch"], "tok_s": r["output_tok_s"],
+        out.append({"quantization": q, "dtype": r["dtype"], "batch_size": r["batch"], "tok_s": r["output_tok_s"],
                     "tpot_ms": r["tpot_ms"], "perplexity": r["perplexity"]})
     return document("quant", f"decode speed and held-out perplexity by bit-width, {a.model}, "
                     f"{a.input_len}/{a.output_len} tokens", out,
