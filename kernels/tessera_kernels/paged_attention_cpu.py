@@ -17,8 +17,12 @@ from tessera_kernels import cbuild, tile_linear
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               block_size: int, scale: float, bf16_probs: bool = False) -> torch.Tensor:
+                               block_size: int, scale: float, bf16_probs: bool = False, window: int = 0,
+                               softcap: float = 0.0) -> torch.Tensor:
     """q [B, H, D]; caches [KV, S, D]; block_tables [B, W]; context_lens [B] -> [B, H, D].
+    Row b is the query at position L - 1 (L = context_lens[b]) over its tokens 0..L-1;
+    window > 0: only its last `window` tokens (a sliding window); softcap > 0: the scaled
+    scores s become softcap * tanh(s / softcap) (Gemma 2's soft-capping).
     bf16_probs: the softmax's numerators rounded to bf16 before they weight V, the sum kept
     unrounded (what the C kernel does with a bf16 cache where probabilities_in_bf16(), and
     torch's SDPA for bf16)."""
@@ -27,11 +31,13 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     out = torch.empty_like(q)
     for b in range(B):
         L = int(context_lens[b])
-        t = torch.arange(L)
+        t = torch.arange(max(0, L - window) if window > 0 else 0, L)
         slots = block_tables[b, t // block_size] * block_size + t % block_size
         k = k_cache[:, slots].repeat_interleave(H // KV, dim=0)       # [H, L, D]
         v = v_cache[:, slots].repeat_interleave(H // KV, dim=0)
         s = (q[b].unsqueeze(1) @ k.transpose(1, 2)).squeeze(1) * scale
+        if softcap > 0:
+            s = torch.tanh(s / softcap) * softcap
         if bf16_probs:
             e = torch.exp(s - s.amax(-1, keepdim=True))
             out[b] = (e.bfloat16().to(e.dtype).unsqueeze(1) @ v).squeeze(1) / e.sum(-1, keepdim=True)
@@ -84,9 +90,9 @@ def supports(head_dim: int) -> bool:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           block_size: int, scale: float) -> torch.Tensor:
+                           block_size: int, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """The C kernel; same contract as paged_decode_attention_ref (with bf16_probs where
-    probabilities_in_bf16). The caches are float32 or bfloat16; q and the result are in the
+    probabilities_in_bf16). `scale` is used as given (a family's query scale). The caches are float32 or bfloat16; q and the result are in the
     caches' dtype (the kernel reads and writes them as they are), the arithmetic is float32."""
     B, H, D = q.shape
     KV, S, Dk = k_cache.shape

@@ -26,6 +26,7 @@ given an explicit mask takes SDPA.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import Sequence
 
@@ -34,6 +35,8 @@ import torch.nn.functional as F
 
 from tessera.batch import ForwardBatch, PrefillChunk
 from tessera_kernels import cbuild, paged_attention_cpu
+
+log = logging.getLogger(__name__)
 
 # A step of at most this many tokens keeps its prompt chunks on the kernel even where SDPA
 # takes them (AMX): the kernel is about as fast for short prompts (SDPA pulls ahead only for
@@ -55,14 +58,19 @@ CHUNK_CONTEXT_ON_KERNEL_UP_TO = 256
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     batch: ForwardBatch, scale: float,
-                    masks: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
+                    masks: Sequence[torch.Tensor | None] | None = None, *,
+                    window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KV, D]; caches [KV, S, D]; returns [T, H, D].
     masks[j], when given and not None, is prefill chunk j's bool mask [n, start_pos + n]
-    (True: may attend) in place of the causal one; decode tokens attend to their whole context."""
+    (True: may attend) in place of the causal one; decode tokens attend to their whole context.
+    window > 0: each query sees only the last `window` keys it may attend to (a sliding
+    window: its own position and the window - 1 before it; a mask row's True columns are taken
+    as positions 0..p in order). softcap > 0: scores = softcap * tanh(scale * q.k / softcap)."""
     paged_attention_cpu.kv_write(k, v, k_cache, v_cache, batch.slot_mapping)
-    kernel = _kernel_applies(q)
+    capped = window > 0 or softcap > 0
+    kernel = _kernel_applies(q) and (not capped or _kernel_takes(window, softcap))
     by_kernel = kernel and masks is None and batch.causal_token_idx is not None
-    long_by_sdpa = by_kernel and prompts_by_sdpa(q)
+    long_by_sdpa = by_kernel and not capped and prompts_by_sdpa(q)
     to_sdpa = [c for c in batch.prefills if long_by_sdpa and _sdpa_takes(c)]
     if by_kernel:
         rows, tables, lens = _kernel_rows(batch, to_sdpa)
@@ -71,8 +79,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.empty_like(q) if rows.numel() < q.shape[0] else None
     if rows.numel():
         qr = q if out is None else q[rows]      # rows ascend: all of them is every token
-        res = (paged_attention_cpu.paged_decode_attention(qr, k_cache, v_cache, tables, lens, batch.block_size, scale)
-               if kernel else _decode_gathered(qr, k_cache, v_cache, batch, scale))
+        res = (paged_attention_cpu.paged_decode_attention(qr, k_cache, v_cache, tables, lens, batch.block_size, scale,
+                                                          window, softcap)
+               if kernel else _decode_gathered(qr, k_cache, v_cache, batch, scale, window, softcap))
         if out is None:
             return res
         out[rows] = res
@@ -84,9 +93,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         s, n = chunk.token_start, chunk.num_tokens
         if kernel and chunk.row_slots is not None and (masks is None or masks[j] is None):
             out[s:s + n] = paged_attention_cpu.paged_decode_attention(
-                q[s:s + n], k_cache, v_cache, chunk.row_slots, chunk.row_lens, 1, scale)
+                q[s:s + n], k_cache, v_cache, chunk.row_slots, chunk.row_lens, 1, scale, window, softcap)
             continue
         mask = chunk.mask if masks is None or masks[j] is None else masks[j]
+        if capped:
+            out[s:s + n] = _chunk_capped(q, k, v, k_cache, v_cache, chunk, mask, scale, window, softcap)
+            continue
         if chunk.context_slots is None and mask is None:
             # Fresh prompts of this length right after this one join its SDPA call as a batch:
             # one call for all of them is faster than one per prompt, with the same bits.
@@ -165,8 +177,9 @@ def _kernel_rows(batch: ForwardBatch,
 
 
 def _decode_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     batch: ForwardBatch, scale: float) -> torch.Tensor:
-    """One query token per request: softmax(q K^T * scale + mask) V, GQA by grouping heads."""
+                     batch: ForwardBatch, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """One query token per request: softmax(q K^T * scale + mask) V, GQA by grouping heads
+    (a window narrows the mask, softcap caps the scores: see paged_attention)."""
     B, H, D = q.shape
     KV, S, _ = k_cache.shape
     bs = batch.block_size
@@ -175,6 +188,66 @@ def _decode_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     v = v_cache.view(KV, S // bs, bs * D).index_select(1, blocks).view(KV, B, -1, D)
     qg = q.view(B, KV, H // KV, D).transpose(0, 1)              # [KV, B, G, D]
     scores = torch.matmul(qg, k.transpose(-1, -2)) * scale      # [KV, B, G, L]
-    scores.masked_fill_(~batch.decode_mask[None, :, None, :], float("-inf"))
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    mask = _window(batch.decode_mask, window) if window > 0 else batch.decode_mask
+    scores.masked_fill_(~mask[None, :, None, :], float("-inf"))
     o = torch.matmul(torch.softmax(scores, dim=-1), v)          # [KV, B, G, D]
     return o.transpose(0, 1).reshape(B, H, D)
+
+
+def _window(mask: torch.Tensor, window: int) -> torch.Tensor:
+    """mask [..., L] (True: may attend) keeping each row's last `window` True columns: a row's
+    keys are its positions 0..p in order, so these are p - window < k <= p."""
+    rank = mask.cumsum(-1)
+    return mask & (rank > mask.sum(-1, keepdim=True) - window)
+
+
+def _chunk_capped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  chunk: PrefillChunk, mask: torch.Tensor | None, scale: float, window: int,
+                  softcap: float) -> torch.Tensor:
+    """A prefill chunk's [n, H, D] attention where a window or soft-capping applies: its own
+    K/V (a fresh prompt) or its gathered context, under its mask (causal if None) narrowed to
+    the window; SDPA takes it unless it soft-caps (SDPA cannot: explicit scores then)."""
+    s, n = chunk.token_start, chunk.num_tokens
+    if chunk.context_slots is None:
+        ks, vs = k[s:s + n].transpose(0, 1), v[s:s + n].transpose(0, 1)
+    else:
+        ks, vs = k_cache[:, chunk.context_slots], v_cache[:, chunk.context_slots]
+    if mask is None:
+        L = ks.shape[1]
+        mask = torch.arange(L)[None, :] <= torch.arange(L - n, L)[:, None]
+    if window > 0:
+        mask = _window(mask, window)
+    if softcap > 0:
+        _log_once("soft-capped prompt chunks attend through explicit scores and softmax (SDPA cannot soft-cap)")
+        return _attend_explicit(q[s:s + n], ks, vs, mask, scale, softcap)
+    o = F.scaled_dot_product_attention(q[s:s + n].transpose(0, 1).unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0),
+                                       attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)
+
+
+def _attend_explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                     softcap: float) -> torch.Tensor:
+    """q [n, H, D]; k, v [KV, L, D]; mask [n, L]: softmax(softcap * tanh(scale q.k / softcap))
+    V in float32 (the kernel's arithmetic), GQA by grouping heads, in q's dtype."""
+    n, H, D = q.shape
+    KV = k.shape[0]
+    qg = q.float().view(n, KV, H // KV, D).permute(1, 2, 0, 3)          # [KV, G, n, D]
+    scores = torch.matmul(qg, k.float().transpose(-1, -2).unsqueeze(1)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores.masked_fill_(~mask, float("-inf"))
+    o = torch.matmul(torch.softmax(scores, dim=-1), v.float().unsqueeze(1))   # [KV, G, n, D]
+    return o.permute(2, 0, 1, 3).reshape(n, H, D).to(q.dtype)
+
+
+def _kernel_takes(window: int, softcap: float) -> bool:
+    """Whether the C kernel computes windows and soft-capping itself (else the torch paths
+    do, logged once)."""
+    _log_once("the paged attention kernel does not take windows or soft-capping yet: torch attends")
+    return False
+
+
+@functools.cache   # once per process per case
+def _log_once(message: str) -> None:
+    log.info(message)
