@@ -1,11 +1,13 @@
 """Input and output processing around the engine: prompt text or chat messages -> token ids
-(chat template from the tokenizer), and token ids -> the text and bytes shown in logprobs."""
+(the tokenizer's chat template, applied by chat_template.py), and token ids -> the text and
+bytes shown in logprobs."""
 from __future__ import annotations
 
 from functools import lru_cache
 
 from transformers import PreTrainedTokenizerBase
 
+from tessera import chat_template
 from tessera.worker_api import GenerateInput, InvalidRequest
 
 
@@ -21,13 +23,7 @@ class Processor:
         if request.messages is not None:
             if self.tokenizer.chat_template is None:
                 raise InvalidRequest("this model has no chat template; use /v1/completions", "messages")
-            messages = [{"role": r, "content": c} for r, c in request.messages]
-            try:
-                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                         tokenize=True)
-            except Exception as e:  # a template may raise on roles it does not accept
-                raise InvalidRequest(f"chat template failed: {e}", "messages") from e
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            return chat_template.prompt_ids(self.tokenizer, request.messages, request.tools)
         return list(self.tokenizer(request.text or "", add_special_tokens=True)["input_ids"])
 
     def _token_bytes(self, token_id: int) -> bytes:

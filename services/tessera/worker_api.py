@@ -7,10 +7,27 @@ worker process. rpc/convert.py maps these to and from protobuf.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, NamedTuple, Protocol
 
 from tessera.config import SamplingParams
 from tessera.request import RequestTimings, Resume
+
+
+class ToolCall(NamedTuple):
+    """A function call an assistant message made (OpenAI's tool_calls entry)."""
+    id: str
+    name: str
+    arguments: str          # JSON text, as the client sent it
+    type: str = "function"
+
+
+class ChatMessage(NamedTuple):
+    """One chat message; a plain (role, content) pair is one too (ChatMessage(*pair))."""
+    role: str
+    content: str | None     # text parts already joined; None: null
+    name: str | None = None
+    tool_call_id: str | None = None          # role "tool"
+    tool_calls: tuple[ToolCall, ...] = ()    # role "assistant"
 
 
 @dataclass(frozen=True)
@@ -19,8 +36,9 @@ class GenerateInput:
     sampling: SamplingParams
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
-    messages: tuple[tuple[str, str], ...] | None = None  # (role, content) pairs: apply the chat template
+    messages: tuple[ChatMessage, ...] | None = None  # apply the chat template
     resume: Resume | None = None      # failover: continue a generation another worker began
+    tools: str | None = None          # with messages: function definitions for the template, a JSON list
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 
 from tessera.config import INT32_MAX, ConfigError, SamplingParams
+from tessera.openai_api.chat_messages import worker_messages, worker_tools
 from tessera.openai_api.errors import APIError
 from tessera.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from tessera.seeds import choice_seed
@@ -75,17 +76,15 @@ def chat_inputs(req: ChatCompletionRequest, request_id: str, rules: RequestRules
                 ) -> list[GenerateInput]:
     if len(req.messages) > rules.max_messages:
         raise APIError(400, f"{len(req.messages)} messages; at most {rules.max_messages} are allowed", "messages")
-    if req.tools:
-        raise APIError(400, "tools are not supported by this server yet", "tools")
     if req.response_format and req.response_format.get("type") not in (None, "text"):
         raise APIError(400, "only response_format {\"type\": \"text\"} is supported", "response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    messages = tuple((m.role, m.text()) for m in req.messages)
+    messages, tools = worker_messages(req.messages), worker_tools(req)
     return [GenerateInput(f"{request_id}-{j}", _params(req, max_tokens, logprobs, j, rules),
-                          messages=messages) for j in range(req.n)]
+                          messages=messages, tools=tools) for j in range(req.n)]
 
 
 def completion_inputs(req: CompletionRequest, request_id: str, max_choices: int,

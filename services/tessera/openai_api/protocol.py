@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 from typing import Annotated, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (AfterValidator, BaseModel, Discriminator, Field, StrictBool, StrictFloat, StrictInt,
+                      StrictStr, Tag)
 
 
 def _finite(value: float | int) -> float:
@@ -46,14 +47,55 @@ class TextPart(BaseModel):
     text: Text
 
 
+class OtherPart(BaseModel):
+    """A content part that is not text (image_url, input_audio, ...): refused by chat_messages.py,
+    naming the message and the part type, since the models served take text only."""
+    type: Text
+
+
+def _part_kind(part) -> str:
+    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+    return "text" if kind == "text" else "other"
+
+
+# a part typed "text" is a TextPart or an error (a missing or non-Unicode text), never another part
+ContentPart = Annotated[Union[Annotated[TextPart, Tag("text")], Annotated[OtherPart, Tag("other")]],
+                        Discriminator(_part_kind)]
+
+
+class FunctionCall(BaseModel):
+    name: Text
+    arguments: Text     # JSON text
+
+
+class ToolCall(BaseModel):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[Text, list[TextPart], None] = None
+    content: Union[Text, list[ContentPart], None] = None
+    name: Text | None = None
+    tool_call_id: Text | None = None         # role "tool"
+    tool_calls: list[ToolCall] | None = None  # role "assistant"
 
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
-        return self.content or ""
+
+class FunctionDefinition(BaseModel):
+    name: Text
+    description: Text | None = None
+    parameters: dict | None = None     # a JSON Schema
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: dict
 
 
 class SamplingFields(BaseModel):
@@ -95,7 +137,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     response_format: dict | None = None
-    tools: list[dict] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
 
 
 class CompletionRequest(SamplingFields):

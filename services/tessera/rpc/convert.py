@@ -11,8 +11,8 @@ from tessera.pipeline.control import StageInfo, StageLink, StageRefused, StageRe
 from tessera.request import RequestTimings, Resume
 from tessera.rpc.v1 import common_pb2, draft_pb2, expert_pb2, pipeline_pb2, worker_pb2
 from tessera.spec.tree import Draft
-from tessera.worker_api import (ContextLengthExceeded, GenerateChunk, GenerateInput, InternalError,
-                                InvalidRequest, Saturated, TokenLogprobInfo, TopToken, Unavailable,
+from tessera.worker_api import (ChatMessage, ContextLengthExceeded, GenerateChunk, GenerateInput, InternalError,
+                                InvalidRequest, Saturated, TokenLogprobInfo, ToolCall, TopToken, Unavailable,
                                 WorkerError, WorkerInfo)
 
 
@@ -49,9 +49,8 @@ def generate_request_to_proto(req: GenerateInput) -> worker_pb2.GenerateRequest:
         msg.resume.CopyFrom(worker_pb2.Resume(output_token_ids=list(req.resume.output_token_ids),
                                               text_sent=req.resume.text_sent))
     if req.messages is not None:
-        msg.chat.CopyFrom(common_pb2.ChatPrompt(
-            messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in req.messages],
-            add_generation_prompt=True))
+        msg.chat.CopyFrom(common_pb2.ChatPrompt(messages=[chat_message_to_proto(m) for m in req.messages],
+                                                add_generation_prompt=True, tools_json=req.tools or ""))
     elif req.token_ids is not None:
         msg.token_ids.CopyFrom(common_pb2.TokenIds(ids=list(req.token_ids)))
     else:
@@ -73,8 +72,24 @@ def generate_request_from_proto(msg: worker_pb2.GenerateRequest) -> GenerateInpu
         request_id=msg.request_id, sampling=sampling_from_proto(msg.sampling),
         text=msg.text if kind == "text" else None,
         token_ids=tuple(msg.token_ids.ids) if kind == "token_ids" else None,
-        messages=tuple((m.role, m.content) for m in msg.chat.messages) if kind == "chat" else None,
+        messages=tuple(chat_message_from_proto(m) for m in msg.chat.messages) if kind == "chat" else None,
+        tools=(msg.chat.tools_json or None) if kind == "chat" else None,
         resume=Resume(tuple(msg.resume.output_token_ids), msg.resume.text_sent) if msg.HasField("resume") else None)
+
+
+def chat_message_to_proto(m: ChatMessage | tuple[str, str]) -> common_pb2.ChatMessage:
+    m = ChatMessage(*m)
+    return common_pb2.ChatMessage(
+        role=m.role, content=m.content, name=m.name, tool_call_id=m.tool_call_id,
+        tool_calls=[common_pb2.ToolCall(id=c.id, type=c.type, name=c.name, arguments=c.arguments)
+                    for c in m.tool_calls])
+
+
+def chat_message_from_proto(m: common_pb2.ChatMessage) -> ChatMessage:
+    def optional(field: str) -> str | None:
+        return getattr(m, field) if m.HasField(field) else None
+    return ChatMessage(m.role, optional("content"), optional("name"), optional("tool_call_id"),
+                       tuple(ToolCall(c.id, c.name, c.arguments, c.type) for c in m.tool_calls))
 
 
 def chunk_to_proto(c: GenerateChunk) -> worker_pb2.GenerateResponse:

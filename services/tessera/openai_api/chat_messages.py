@@ -1,0 +1,47 @@
+"""A chat request's messages and tools -> what the worker gets (worker_api.ChatMessage, tools as
+JSON text), as vLLM reads them for a text-only model: text parts joined with "\\n", an
+assistant's tool_calls and a tool message's tool_call_id kept where OpenAI's API puts them,
+`name` on any message. A part that is not text is a 400 naming the message and the part type.
+
+Tools: the template sees them only with tool_choice "none" (vLLM's rule for it: the model
+answers in text); any other choice needs tool calls parsed from the output, which the gateway
+does not do yet, so it stays a 400."""
+from __future__ import annotations
+
+import json
+
+from tessera.openai_api.errors import APIError
+from tessera.openai_api.protocol import ChatCompletionRequest, ChatMessage as Message, TextPart
+from tessera.worker_api import ChatMessage, ToolCall
+
+
+def worker_messages(messages: list[Message]) -> tuple[ChatMessage, ...]:
+    return tuple(_message(i, m) for i, m in enumerate(messages))
+
+
+def worker_tools(req: ChatCompletionRequest) -> str | None:
+    """The tools as the JSON list the template gets (vLLM's shape: type, function {name,
+    description, parameters}, unset ones null); None without tools."""
+    if not req.tools:
+        return None
+    if req.tool_choice != "none":
+        raise APIError(400, "tools are supported only with tool_choice \"none\" (the template sees them and "
+                       "the model answers in text): tool calls are not parsed from the output yet", "tools")
+    return json.dumps([t.model_dump() for t in req.tools], ensure_ascii=False)
+
+
+def _message(i: int, m: Message) -> ChatMessage:
+    calls = tuple(ToolCall(c.id, c.function.name, c.function.arguments, c.type)
+                  for c in m.tool_calls or ()) if m.role == "assistant" else ()
+    return ChatMessage(m.role, _text(i, m.content), m.name,
+                       m.tool_call_id if m.role == "tool" else None, calls)
+
+
+def _text(i: int, content) -> str | None:
+    if not isinstance(content, list):
+        return content
+    for k, part in enumerate(content):
+        if not isinstance(part, TextPart):
+            raise APIError(400, f"messages[{i}].content[{k}]: content parts of type {part.type[:32]!r} are not "
+                           "supported: this model takes text only", "messages")
+    return "\n".join(p.text for p in content)
