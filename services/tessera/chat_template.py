@@ -31,7 +31,10 @@ def conversation(messages: tuple[ChatMessage | tuple[str, str], ...]) -> list[di
 
 
 def tool_list(tools: str | None) -> list[dict] | None:
-    return json.loads(tools) if tools else None
+    try:
+        return json.loads(tools) if tools else None
+    except (ValueError, RecursionError) as e:    # only a worker client other than the gateway sends these
+        raise InvalidRequest(f"tools are not a JSON list: {str(e)[:200]}", "tools") from None
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: tuple[ChatMessage, ...],
@@ -50,9 +53,9 @@ def _arguments(text: str, i: int, j: int):
         return {}
     try:
         return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InvalidRequest(f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON: {e}",
-                             "messages") from None
+    except (ValueError, RecursionError) as e:     # RecursionError: nested deeper than Python's stack
+        raise InvalidRequest(f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON: "
+                             f"{str(e)[:200]}", "messages") from None
 
 
 def _where(tokenizer, conv: list[dict], tools, error: Exception) -> str:
