@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from tessera.config import CacheConfig, EngineConfig, SamplingParams, SpeculativeConfig
 from tessera.engine import Engine
 from tessera.models.default_model import default_tokenizer
+import test_models
 from test_models import EPS, bf16_reference
 
 _BASE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -34,6 +35,11 @@ FAMILIES = {
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64))),
     "qwen2": ("Qwen2Config", dict(use_sliding_window=False)),
     "qwen3": ("Qwen3Config", dict(head_dim=32, use_sliding_window=False)),
+    "mistral": ("MistralConfig", dict(sliding_window=32)),
+    "qwen2_window": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=24, max_window_layers=1)),
+    "granite": ("GraniteConfig", dict(embedding_multiplier=3.0, residual_multiplier=0.5,
+                                      attention_multiplier=0.05, logits_scaling=2.5)),
+    "olmo2": ("Olmo2Config", dict()),
 }
 
 PROMPT = torch.randint(3, 49152, (100,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -47,7 +53,8 @@ def build_hf_checkpoint(family: str, out) -> str:
     cls_name, extra = FAMILIES[family]
     config = getattr(transformers, cls_name)(**{**_BASE, **extra})
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # eager: its mask (sliding windows included) is the reference
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -86,9 +93,15 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_fp32_identical_to_transformers(checkpoints, family):
     path = checkpoints(family)
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     ours = engine(path).generate([PROMPT, SHORT], GREEDY)
     assert ours == [hf_greedy(ref, PROMPT), hf_greedy(ref, SHORT)]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_prefill_logits_match_transformers(checkpoints, family):
+    """The logits themselves (greedy tokens cannot see a constant factor such as Granite's)."""
+    test_models.test_prefill_logits_match_transformers({family: checkpoints(family)}, family)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -1,4 +1,4 @@
-"""Llama family (Llama, Mistral, Qwen2, SmolLM2): a decoder layer is
+"""Llama family (Llama, Mistral, Qwen2, Qwen3, Granite, SmolLM2): a decoder layer is
     h   = x + attention(rms_norm(x))
     out = h + ffn(rms_norm(h))
 The attention half and the FFN half are separate modules so that an attention node and an
@@ -29,9 +29,11 @@ from tessera.models.model_config import ModelConfig
 
 
 class LlamaAttention(nn.Module):
-    """The attention half: norm, fused QKV, RoPE, paged attention, output projection."""
+    """The attention half: norm, fused QKV, RoPE, paged attention, output projection.
+    Granite's constants: the query scale (attention_multiplier) and the factor on the output
+    before the residual add (residual_multiplier)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -40,22 +42,35 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.query_scale or cfg.head_dim ** -0.5
+        self.residual_multiplier = cfg.residual_multiplier
+        self.window = cfg.window(layer)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor],
                 rope: tuple[torch.Tensor, torch.Tensor],
                 masks: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
         """rope: cos, sin of each token's position; masks: see paged_attention."""
+        return self.attend(*self.project(x), batch, kv, rope, masks)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(query and key heads side by side [T, H + KV, D], value heads [T, KV, D])."""
         T, H, KV, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(self.norm(x))
         qk = qkv[:, :(H + KV) * D].view(T, H + KV, D)      # query and key heads, rotated together
         v = qkv[:, (H + KV) * D:].view(T, KV, D)
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])), dim=1)
+        return qk, v
+
+    def attend(self, qk: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+               kv: tuple[torch.Tensor, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
+               masks: Sequence[torch.Tensor | None] | None) -> torch.Tensor:
+        """RoPE, paged attention, output projection."""
         qk = apply_rope(qk, *rope)
-        q, k = qk[:, :H], qk[:, H:]
-        o = paged_attention(q, k, v, kv[0], kv[1], batch, self.scale, masks)
-        return self.o_proj(o.reshape(T, -1))
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        o = paged_attention(q, k, v, kv[0], kv[1], batch, self.scale, masks, window=self.window)
+        out = self.o_proj(o.reshape(q.shape[0], -1))
+        return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
 
 
 @dataclass
@@ -76,6 +91,7 @@ class LlamaFFN(nn.Module):
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.residual_multiplier = cfg.residual_multiplier
 
     def prepare(self, h: torch.Tensor) -> FFNInput:
         return FFNInput(self.norm(h))
@@ -84,7 +100,7 @@ class LlamaFFN(nn.Module):
         return self.mlp(ffn_in.x)
 
     def finish(self, h: torch.Tensor, ffn_in: FFNInput, y: torch.Tensor) -> torch.Tensor:
-        return residual_add(h, y)
+        return residual_add(h, y if self.residual_multiplier == 1.0 else y * self.residual_multiplier)
 
     def shard(self, experts: Sequence[int] | None = None, columns: tuple[int, int] | None = None) -> None:
         """Keep intermediate columns [i0, i1) of the MLP (after loading: the checkpoint holds
@@ -109,6 +125,19 @@ class DecoderLayer(nn.Module):
 
 
 FFNFactory = Callable[[ModelConfig, int], nn.Module]
+AttentionFactory = Callable[[ModelConfig, int], nn.Module]
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Token embeddings times a constant (Granite's embedding_multiplier; 1: plain lookup)."""
+
+    def __init__(self, vocab: int, hidden: int, scale: float) -> None:
+        super().__init__(vocab, hidden)
+        self.scale = scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = super().forward(ids)
+        return x if self.scale == 1.0 else x * self.scale
 
 
 class CausalLM(nn.Module):
@@ -116,12 +145,13 @@ class CausalLM(nn.Module):
     embed_tokens(ids), rope(positions, dtype), layers[l].attn(x, batch, kv, rope, masks),
     layers[l].ffn.prepare / compute / finish, norm(x), compute_logits(hidden)."""
 
-    def __init__(self, cfg: ModelConfig, make_ffn: FFNFactory = LlamaFFN) -> None:
+    def __init__(self, cfg: ModelConfig, make_ffn: FFNFactory = LlamaFFN,
+                 make_attn: AttentionFactory = LlamaAttention) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = ScaledEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.embedding_multiplier)
         self.layers = nn.ModuleList(
-            DecoderLayer(LlamaAttention(cfg), make_ffn(cfg, i)) for i in range(cfg.num_layers))
+            DecoderLayer(make_attn(cfg, i), make_ffn(cfg, i)) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -130,7 +160,8 @@ class CausalLM(nn.Module):
                                     dict(cfg.rope_scaling))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        return (logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling).float()
 
     def drop_ffn_compute(self) -> None:
         """What an AFD attention node holds: everything but each FFN's MLP or experts."""

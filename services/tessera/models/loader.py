@@ -21,9 +21,11 @@ from tessera.models.default_model import DEFAULT_MODEL, DEFAULT_MODEL_ID, defaul
 from tessera.models.llama import CausalLM, match_rules
 from tessera.models.mixtral import MixtralForCausalLM
 from tessera.models.model_config import ModelConfig
+from tessera.models.olmo2 import Olmo2ForCausalLM
 from tessera.models.qwen_moe import QwenMoeForCausalLM
 
-MODEL_CLASSES = {"llama": CausalLM, "mixtral": MixtralForCausalLM, "qwen_moe": QwenMoeForCausalLM}
+MODEL_CLASSES = {"llama": CausalLM, "olmo2": Olmo2ForCausalLM, "mixtral": MixtralForCausalLM,
+                 "qwen_moe": QwenMoeForCausalLM}
 
 
 def resolve_model_path(model: str) -> pathlib.Path:

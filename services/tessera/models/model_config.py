@@ -11,6 +11,8 @@ ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
+    "GraniteForCausalLM": "llama",
+    "Olmo2ForCausalLM": "olmo2",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen_moe",
     "Qwen3MoeForCausalLM": "qwen_moe",
@@ -24,7 +26,7 @@ SCALED_ROPE_TYPES = ("linear", "llama3", "yarn")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str                     # "llama", "mixtral" or "qwen_moe": which model file builds it
+    arch: str                     # "llama", "olmo2", "mixtral" or "qwen_moe": which model file builds it
     model_type: str               # the HF model_type, e.g. "llama", "qwen2", "qwen3_moe"
     vocab_size: int
     hidden_size: int
@@ -36,11 +38,18 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: tuple[tuple[str, object], ...] = ()   # config.json's rope_scaling items (see layers/rope.py)
+    layer_windows: tuple[int, ...] = ()   # per layer: sliding window in tokens (0: full); (): none windowed
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    # Granite's constants (1.0 / None elsewhere): embeddings, sublayer outputs and logits are
+    # multiplied / divided by them; query_scale replaces head_dim ** -0.5.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    query_scale: float | None = None
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -54,6 +63,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window: a query at position p sees keys k with p - k < window."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     def is_moe_layer(self, layer: int) -> bool:
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
@@ -85,12 +98,17 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
             rope_scaling=_rope_scaling(cfg),
+            layer_windows=_layer_windows(cfg),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             qkv_bias=bool(cfg.get("qkv_bias", cfg.get("attention_bias", False))
                           or model_type in ("qwen2", "qwen2_moe")),
             o_bias=bool(cfg.get("attention_bias", False)) and model_type not in ("qwen2", "qwen2_moe"),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+            residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+            logits_scaling=float(cfg.get("logits_scaling", 1.0)),
+            query_scale=cfg.get("attention_multiplier"),
             num_experts=cfg.get("num_local_experts", cfg.get("num_experts", 0)) or 0,
             num_experts_per_tok=cfg.get("num_experts_per_tok", 0) or 0,
             moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg.get("intermediate_size", 0),
@@ -116,3 +134,19 @@ def _rope_scaling(cfg: dict) -> tuple[tuple[str, object], ...]:
         scaling["factor"] = cfg["max_position_embeddings"] / scaling["original_max_position_embeddings"]
     return (("rope_type", kind),) + tuple(
         (k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(scaling.items()))
+
+
+def _layer_windows(cfg: dict) -> tuple[int, ...]:
+    """Which layers slide and by how much: layer_types when config.json lists them (transformers
+    5 writes them for Qwen2/3, Gemma); else Mistral's/Mixtral's sliding_window on every layer,
+    or Qwen2's use_sliding_window from max_window_layers on."""
+    window, n = cfg.get("sliding_window") or 0, cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types:
+        windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    elif not window or cfg.get("use_sliding_window") is False:
+        return ()
+    else:
+        start = cfg.get("max_window_layers", 0) if "use_sliding_window" in cfg else 0
+        windows = tuple(window if l >= start else 0 for l in range(n))
+    return windows if any(windows) else ()
