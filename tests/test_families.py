@@ -6,6 +6,7 @@ family monolithic = speculative = pipeline shards; refused checkpoints exit 78 o
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -117,3 +118,44 @@ def test_bf16_greedy_within_bf16_rounding(checkpoints, family):
         hf_err = (hf_bf16(seq).logits[0, rows].float() - exact).abs().amax(dim=-1)
     shortfall = exact.amax(dim=-1) - exact.gather(1, torch.tensor(out)[:, None])[:, 0]
     assert (shortfall <= 4 * hf_err + EPS).all(), (shortfall.tolist(), hf_err.tolist())
+
+
+# -- checkpoints we cannot run: one clear configuration error at start-up ---------------------
+
+def _edit(path: str, out, config=None, drop: str | None = None) -> str:
+    """A copy of checkpoint `path` with config.json updated by `config` and tensor `drop` left out."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(path, out)
+    cfg = json.loads((out / "config.json").read_text()) | (config or {})
+    (out / "config.json").write_text(json.dumps(cfg))
+    if drop:
+        tensors = load_file(str(out / "model.safetensors"))
+        del tensors[drop]
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return str(out)
+
+
+@pytest.mark.parametrize("change, error", [
+    (dict(config={"architectures": ["FalconForCausalLM"]}), "unsupported architectures ['FalconForCausalLM']"),
+    (dict(config={"auto_map": {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}}), "needs its own code"),
+    (dict(config={"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}),
+     "rope type 'dynamic' is not supported"),
+    (dict(drop="model.layers.1.mlp.down_proj.weight"), "missing tensors for 1 parameters, e.g. ['layers.1.ffn.mlp"),
+    (dict(config={"attention_bias": True}), "missing tensors"),
+])
+def test_what_we_cannot_run_is_one_config_error(checkpoints, tmp_path, change, error):
+    from tessera.config import ConfigError
+    from tessera.models.loader import load_model
+    with pytest.raises(ConfigError, match=re.escape(error)):
+        load_model(_edit(checkpoints("qwen3"), tmp_path / "m", **change))
+
+
+def test_a_worker_given_custom_code_exits_78_once_with_the_reason(checkpoints, tmp_path):
+    """Exit 78: the supervisor of `tessera serve` does not restart it (a restart fails the same way)."""
+    path = _edit(checkpoints("qwen3"), tmp_path / "m", config={"auto_map": {"AutoConfig": "configuration_x.XConfig"}})
+    out = subprocess.run([sys.executable, "-m", "tessera.cli", "worker", "--model", path, "--port", "0"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 78 and "needs its own code (auto_map ['AutoConfig'])" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from tessera.batch import ForwardBatch
+from tessera.config import ConfigError
 from tessera.layers.attention import paged_attention
 from tessera.layers.linear import Linear
 from tessera.layers.mlp import SwiGLU
@@ -256,4 +257,5 @@ def match_rules(params: dict[str, torch.Tensor], name: str, rules: list[Rule]
             return None
         dest = param if view is None else view(param, m)
         return None if dest is None else (param_name, dest)
-    raise KeyError(f"unexpected tensor {name} in checkpoint")
+    raise ConfigError(f"unexpected tensor {name} in the checkpoint (a variant of the architecture "
+                      "that Tessera does not implement)")

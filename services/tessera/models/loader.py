@@ -172,9 +172,9 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, Callable[[], torc
         param_name, target = found
         tensor = read()
         if target.shape != tensor.shape:
-            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
+            raise ConfigError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
         target.copy_(tensor)
         loaded[param_name] += target.numel()
     missing = [n for n, p in params.items() if loaded[n] < p.numel()]
-    if missing:
-        raise ValueError(f"checkpoint does not cover parameters: {missing[:8]}")
+    if missing:   # our names; the HF names they come from are in weight_rules
+        raise ConfigError(f"the checkpoint is missing tensors for {len(missing)} parameters, e.g. {missing[:4]}")
