@@ -159,3 +159,24 @@ def test_a_worker_given_custom_code_exits_78_once_with_the_reason(checkpoints, t
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 78 and "needs its own code (auto_map ['AutoConfig'])" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+# -- every path: the same greedy tokens monolithic, under speculative verification, in shards ---
+
+@pytest.mark.parametrize("family", ["mistral", "olmo2"])
+def test_monolithic_equals_speculative_equals_pipeline_shards(checkpoints, family):
+    """Tree verification attends with explicit masks (Mistral: within its window), and the
+    shards run each a layer range of the same driver."""
+    from test_pipeline_inprocess import WHOLE_STEP, close, pipeline
+    from tessera.tokenizer import load_tokenizer
+    path = checkpoints(family)
+    expected = engine(path).generate([PROMPT], GREEDY)
+    spec = engine(path, speculative=SpeculativeConfig(draft="self:1"))
+    assert spec.generate([PROMPT], GREEDY) == expected
+    assert spec.spec_stats.accepted_tokens > 0
+    config = EngineConfig(model=path, dtype="float32", cache=CacheConfig(block_size=16, num_blocks=32))
+    first, shards = pipeline(config, ["0:1", "1:2"], load_tokenizer(path), micro_batches=1, prefill=WHOLE_STEP)
+    try:
+        assert first.generate([PROMPT], GREEDY) == expected
+    finally:
+        close(shards)
