@@ -41,6 +41,9 @@ FAMILIES = {
     "granite": ("GraniteConfig", dict(embedding_multiplier=3.0, residual_multiplier=0.5,
                                       attention_multiplier=0.05, logits_scaling=2.5)),
     "olmo2": ("Olmo2Config", dict()),
+    "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=24,
+                                    attn_logit_softcapping=1.5, final_logit_softcapping=4.0,
+                                    num_hidden_layers=3, tie_word_embeddings=True)),
 }
 
 PROMPT = torch.randint(3, 49152, (100,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -163,9 +166,9 @@ def test_a_worker_given_custom_code_exits_78_once_with_the_reason(checkpoints, t
 
 # -- every path: the same greedy tokens monolithic, under speculative verification, in shards ---
 
-@pytest.mark.parametrize("family", ["mistral", "olmo2"])
+@pytest.mark.parametrize("family", ["mistral", "olmo2", "gemma2"])
 def test_monolithic_equals_speculative_equals_pipeline_shards(checkpoints, family):
-    """Tree verification attends with explicit masks (Mistral: within its window), and the
+    """Tree verification attends with explicit masks (within the window; Gemma 2: soft-capped), and the
     shards run each a layer range of the same driver."""
     from test_pipeline_inprocess import WHOLE_STEP, close, pipeline
     from tessera.tokenizer import load_tokenizer
@@ -175,7 +178,8 @@ def test_monolithic_equals_speculative_equals_pipeline_shards(checkpoints, famil
     assert spec.generate([PROMPT], GREEDY) == expected
     assert spec.spec_stats.accepted_tokens > 0
     config = EngineConfig(model=path, dtype="float32", cache=CacheConfig(block_size=16, num_blocks=32))
-    first, shards = pipeline(config, ["0:1", "1:2"], load_tokenizer(path), micro_batches=1, prefill=WHOLE_STEP)
+    layers = spec.model_config.num_layers
+    first, shards = pipeline(config, ["0:1", f"1:{layers}"], load_tokenizer(path), micro_batches=1, prefill=WHOLE_STEP)
     try:
         assert first.generate([PROMPT], GREEDY) == expected
     finally:

@@ -1,4 +1,5 @@
-"""SwiGLU MLP, the dense FFN of the Llama family; an expert node may hold a column range of it."""
+"""SwiGLU MLP, the dense FFN of the Llama family (GeGLU: Gemma's); an expert node may hold a column
+range of it."""
 from __future__ import annotations
 
 import torch
@@ -36,9 +37,17 @@ class SwiGLU(nn.Module):
         if not 0 <= i0 <= i1 <= inter:
             raise ValueError(f"columns [{i0}, {i1}) outside the MLP's {inter}")
         w = self.gate_up_proj.weight.data
-        part = SwiGLU(w.shape[1], i1 - i0, device="meta")   # meta: no memory until the weights below
+        part = type(self)(w.shape[1], i1 - i0, device="meta")   # meta: no memory until the weights below
         part.gate_up_proj.weight = nn.Parameter(torch.cat([w[i0:i1], w[inter + i0:inter + i1]]),
                                                 requires_grad=False)
         part.down_proj.weight = nn.Parameter(self.down_proj.weight.data[:, i0:i1].contiguous(),
                                              requires_grad=False)
         return part
+
+
+class GeGLU(SwiGLU):
+    """down(gelu_tanh(gate(x)) * up(x)): Gemma's activation, the same fused weights."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)

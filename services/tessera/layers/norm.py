@@ -1,4 +1,5 @@
-"""RMSNorm: y = x / sqrt(mean(x^2) + eps) * weight, computed in float32 as transformers does."""
+"""RMSNorm: y = x / sqrt(mean(x^2) + eps) * weight, computed in float32 as transformers does;
+Gemma's stores the weight as w - 1: y = x / sqrt(mean(x^2) + eps) * (1 + w)."""
 from __future__ import annotations
 
 import torch
@@ -26,3 +27,17 @@ def rms_norm_low_precision(x: torch.Tensor, weight: torch.Tensor, eps: float) ->
     """Statistics in float32, the normalized x rounded to x's dtype before the weight, as HF does."""
     normed = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), None, eps)
     return weight * normed.to(x.dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * (1 + w), all in float32, rounded to x's dtype once at
+    the end (Gemma's order: Llama's rounds before the weight)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)

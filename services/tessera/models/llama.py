@@ -45,7 +45,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.query_scale or cfg.head_dim ** -0.5
         self.residual_multiplier = cfg.residual_multiplier
-        self.window = cfg.window(layer)
+        self.window, self.softcap = cfg.window(layer), cfg.attn_softcap
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor],
                 rope: tuple[torch.Tensor, torch.Tensor],
@@ -69,7 +69,7 @@ class LlamaAttention(nn.Module):
         """RoPE, paged attention, output projection."""
         qk = apply_rope(qk, *rope)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        o = paged_attention(q, k, v, kv[0], kv[1], batch, self.scale, masks, window=self.window)
+        o = paged_attention(q, k, v, kv[0], kv[1], batch, self.scale, masks, window=self.window, softcap=self.softcap)
         out = self.o_proj(o.reshape(q.shape[0], -1))
         return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
 
@@ -161,8 +161,12 @@ class CausalLM(nn.Module):
                                     dict(cfg.rope_scaling))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
-        return (logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling).float()
+        logits, cfg = self.lm_head(hidden), self.config
+        if cfg.logits_scaling != 1.0:
+            logits = logits / cfg.logits_scaling
+        if cfg.final_logit_softcap:
+            logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
+        return logits.float()
 
     def drop_ffn_compute(self) -> None:
         """What an AFD attention node holds: everything but each FFN's MLP or experts."""

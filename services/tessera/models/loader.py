@@ -20,11 +20,12 @@ from tessera.config import ConfigError
 from tessera.models.default_model import DEFAULT_MODEL, DEFAULT_MODEL_ID, default_model_file
 from tessera.models.llama import CausalLM, match_rules
 from tessera.models.mixtral import MixtralForCausalLM
+from tessera.models.gemma import GemmaForCausalLM
 from tessera.models.model_config import ModelConfig
 from tessera.models.olmo2 import Olmo2ForCausalLM
 from tessera.models.qwen_moe import QwenMoeForCausalLM
 
-MODEL_CLASSES = {"llama": CausalLM, "olmo2": Olmo2ForCausalLM, "mixtral": MixtralForCausalLM,
+MODEL_CLASSES = {"llama": CausalLM, "olmo2": Olmo2ForCausalLM, "gemma": GemmaForCausalLM, "mixtral": MixtralForCausalLM,
                  "qwen_moe": QwenMoeForCausalLM}
 
 

@@ -13,6 +13,7 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "llama",
     "GraniteForCausalLM": "llama",
     "Olmo2ForCausalLM": "olmo2",
+    "Gemma2ForCausalLM": "gemma",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen_moe",
     "Qwen3MoeForCausalLM": "qwen_moe",
@@ -26,7 +27,7 @@ SCALED_ROPE_TYPES = ("linear", "llama3", "yarn")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str                     # "llama", "olmo2", "mixtral" or "qwen_moe": which model file builds it
+    arch: str                     # "llama", "olmo2", "gemma", "mixtral" or "qwen_moe": the model file
     model_type: str               # the HF model_type, e.g. "llama", "qwen2", "qwen3_moe"
     vocab_size: int
     hidden_size: int
@@ -50,6 +51,9 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     query_scale: float | None = None
+    # soft-capping (Gemma 2; 0: none): scores = c * tanh(scores / c) in attention, likewise logits
+    attn_softcap: float = 0.0
+    final_logit_softcap: float = 0.0
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -108,7 +112,9 @@ class ModelConfig:
             embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
             residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
             logits_scaling=float(cfg.get("logits_scaling", 1.0)),
-            query_scale=cfg.get("attention_multiplier"),
+            query_scale=_query_scale(cfg),
+            attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0),
+            final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
             num_experts=cfg.get("num_local_experts", cfg.get("num_experts", 0)) or 0,
             num_experts_per_tok=cfg.get("num_experts_per_tok", 0) or 0,
             moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg.get("intermediate_size", 0),
@@ -150,3 +156,12 @@ def _layer_windows(cfg: dict) -> tuple[int, ...]:
         start = cfg.get("max_window_layers", 0) if "use_sliding_window" in cfg else 0
         windows = tuple(window if l >= start else 0 for l in range(n))
     return windows if any(windows) else ()
+
+
+def _query_scale(cfg: dict) -> float | None:
+    """Granite's attention_multiplier, Gemma's query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5."""
+    if cfg.get("attention_multiplier") is not None:
+        return float(cfg["attention_multiplier"])
+    if cfg.get("query_pre_attn_scalar") is not None:
+        return float(cfg["query_pre_attn_scalar"]) ** -0.5
+    return None
