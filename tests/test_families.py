@@ -41,6 +41,7 @@ FAMILIES = {
     "granite": ("GraniteConfig", dict(embedding_multiplier=3.0, residual_multiplier=0.5,
                                       attention_multiplier=0.05, logits_scaling=2.5)),
     "olmo2": ("Olmo2Config", dict()),
+    "phi3": ("Phi3Config", dict(sliding_window=40, pad_token_id=0)),
     "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=24,
                                     attn_logit_softcapping=1.5, final_logit_softcapping=4.0,
                                     num_hidden_layers=3, tie_word_embeddings=True)),

@@ -1,4 +1,4 @@
-"""Llama family (Llama, Mistral, Qwen2, Qwen3, Granite, SmolLM2): a decoder layer is
+"""Llama family (Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3, SmolLM2): a decoder layer is
     h   = x + attention(rms_norm(x))
     out = h + ffn(rms_norm(h))
 The attention half and the FFN half are separate modules so that an attention node and an
@@ -229,6 +229,7 @@ def _llama_rules(cfg: ModelConfig) -> list[Rule]:
         (layer + r"self_attn\.k_proj\.(weight|bias)", r"layers.\1.attn.qkv_proj.\2", rows(q, kv)),
         (layer + r"self_attn\.v_proj\.(weight|bias)", r"layers.\1.attn.qkv_proj.\2",
          rows(q + kv, kv)),
+        (layer + r"self_attn\.qkv_proj\.(weight|bias)", r"layers.\1.attn.qkv_proj.\2", None),   # Phi-3: fused
         (layer + r"self_attn\.o_proj\.(weight|bias)", r"layers.\1.attn.o_proj.\2", None),
         (layer + r"self_attn\.(q_norm|k_norm)\.weight", r"layers.\1.attn.\2.weight", None),
         (layer + r"post_attention_layernorm\.weight", r"layers.\1.ffn.norm.weight", None),
@@ -236,7 +237,8 @@ def _llama_rules(cfg: ModelConfig) -> list[Rule]:
 
 
 def _ffn_rules(cfg: ModelConfig) -> list[Rule]:
-    return swiglu_rules(r"model\.layers\.(\d+)\.mlp\.", r"layers.\1.ffn.mlp.", cfg.intermediate_size)
+    return [(r"model\.layers\.(\d+)\.mlp\.gate_up_proj\.weight", r"layers.\1.ffn.mlp.gate_up_proj.weight", None),
+            *swiglu_rules(r"model\.layers\.(\d+)\.mlp\.", r"layers.\1.ffn.mlp.", cfg.intermediate_size)]
 
 
 def swiglu_rules(src: str, dst: str, i: int) -> list[Rule]:

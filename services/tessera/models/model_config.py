@@ -12,6 +12,7 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
     "GraniteForCausalLM": "llama",
+    "Phi3ForCausalLM": "llama",
     "Olmo2ForCausalLM": "olmo2",
     "Gemma2ForCausalLM": "gemma",
     "MixtralForCausalLM": "mixtral",
@@ -86,6 +87,8 @@ class ModelConfig:
             raise ConfigError(f"the checkpoint needs its own code (auto_map {sorted(cfg['auto_map'])}); "
                               "Tessera runs only the architectures it implements: " + ", ".join(sorted(ARCHITECTURES)))
         rope = cfg.get("rope_parameters") or {}
+        if rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ConfigError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         model_type = cfg.get("model_type", arch)
