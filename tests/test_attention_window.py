@@ -122,6 +122,24 @@ def test_explicit_masks_combine_with_the_window(dtype, window, softcap):
 
 
 @pytest.mark.skipif(not pa.available(), reason="no C compiler for the CPU kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("window,softcap", [(5, 0.0), (0, 3.0), (13, 4.0), (1000, 0.0)])
+def test_kernel_matches_its_reference(dtype, window, softcap):
+    """The C kernel against paged_decode_attention_ref (rows of any context, windows across
+    block edges), the scale as given."""
+    g = torch.Generator().manual_seed(window + int(softcap))
+    k_cache = torch.randn(KV, 112 * BS, D, generator=g).to(dtype)
+    v_cache = torch.randn(KV, 112 * BS, D, generator=g).to(dtype)
+    lens = torch.tensor([1, 4, 5, 13, 18, 33, 61])
+    tables = torch.randperm(112, generator=g).view(7, 16)
+    q = torch.randn(7, H, D, generator=g).to(dtype)
+    out = pa.paged_decode_attention(q, k_cache, v_cache, tables, lens, BS, SCALE, window, softcap)
+    ref = pa.paged_decode_attention_ref(q.double(), k_cache.double(), v_cache.double(), tables, lens, BS, SCALE,
+                                        window=window, softcap=softcap)
+    _assert_close(out, ref, dtype, v_cache.abs().max())
+
+
+@pytest.mark.skipif(not pa.available(), reason="no C compiler for the CPU kernel")
 @pytest.mark.skipif("avx512f" not in cbuild.cpu_flags(),
                     reason="this CPU has no AVX-512: its own build is the AVX2 one, which the tests above ran")
 def test_the_avx2_build_keeps_the_window_and_the_cap(tmp_path):

@@ -29,6 +29,13 @@
  * queries, which makes a prompt's attention about twice as fast as row by row. A tile sums a
  * score's products in another order than a single row, so a prompt row's last bits depend on
  * whether its chunk put it in a tile (as torch's kernels' bits depend on the batch's shape).
+ *
+ * A sliding window (window > 0) makes a row of context L attend to its last `window` tokens
+ * only, L - window .. L - 1: a row's loops start there (the blocks before are never read, a
+ * partly covered block is read from that token on), so a row without one runs as before. Soft-
+ * capping (softcap > 0, Gemma 2) turns each scaled score s into softcap * tanh(s / softcap) in
+ * the softmax pass, chosen once per head. Either one sends a prompt chunk's rows one at a time
+ * (the tiles take neither yet).
  */
 #include <math.h>
 #include <stdint.h>
@@ -85,7 +92,7 @@ static inline void prefetch_row_l2(const char *head, int64_t slot, size_t row_by
 typedef struct {
     const char *k_head;
     const int64_t *table;
-    int64_t len;
+    int64_t lo, len;   /* its tokens lo .. lo + len - 1 (lo: where its window starts) */
 } next_task;
 
 /* Token t's turn: ask for token t + AHEAD's K row (into L1, read next) and V row (into L2, read
@@ -104,7 +111,7 @@ static inline void ask_ahead(const char *kh, const char *vh, const int64_t *tabl
 static inline void ask_next(next_task next, int64_t L, int block_size, size_t row_bytes,
                             int64_t *asked, int64_t *credit) {
     for (*credit += next.len; *credit >= L && *asked < next.len; *credit -= L)
-        prefetch_row_l2(next.k_head, slot_of(next.table, (*asked)++, block_size), row_bytes);
+        prefetch_row_l2(next.k_head, slot_of(next.table, next.lo + (*asked)++, block_size), row_bytes);
 }
 
 #if HAVE_DOT_BF16
@@ -127,18 +134,19 @@ static inline void in_order(__m512 lo, __m512 hi, float sum, v16 *out) {
  * c + 8(k/4) + k%4 (lo) or c + 8(k/4) + 4 + k%4 (hi), put back in order once at the end.
  * Per two tokens of one KV head and 3 query heads this is 4 loads, 4 shuffles and 12
  * vdpbf16ps, where widening both rows and 24 FMAs in float32 took 46 instructions. */
-static inline __attribute__((always_inline)) void v_pass_bf16(const char *vh, const int64_t *table, int64_t L,
-        int G, int D, int block_size, size_t row_bytes, const uint16_t *probs, int64_t Lp,
+static inline __attribute__((always_inline)) void v_pass_bf16(const char *vh, const int64_t *table, int64_t lo,
+        int64_t L, int G, int D, int block_size, size_t row_bytes, const uint16_t *probs, int64_t Lp,
         const float *sums, v16 *acc, next_task next) {
     const int n = D / 16;
+    const int64_t Lw = L - lo;   /* tokens lo..L-1; probs[g * Lp + i] is token lo + i's */
     __m512 a[MAX_ACC];
     for (int k = 0; k < G * n; k++) a[k] = _mm512_setzero_ps();
     int64_t asked = 0, credit = 0;
-    for (int64_t t = 0; t < L; t += 2) {
-        ask_next(next, L, block_size, row_bytes, &asked, &credit);
-        ask_next(next, L, block_size, row_bytes, &asked, &credit);
-        const uint16_t *r0 = (const uint16_t *)vh + slot_of(table, t, block_size) * D;
-        const uint16_t *r1 = t + 1 < L ? (const uint16_t *)vh + slot_of(table, t + 1, block_size) * D : ZERO_ROW;
+    for (int64_t t = 0; t < Lw; t += 2) {
+        ask_next(next, Lw, block_size, row_bytes, &asked, &credit);
+        ask_next(next, Lw, block_size, row_bytes, &asked, &credit);
+        const uint16_t *r0 = (const uint16_t *)vh + slot_of(table, lo + t, block_size) * D;
+        const uint16_t *r1 = t + 1 < Lw ? (const uint16_t *)vh + slot_of(table, lo + t + 1, block_size) * D : ZERO_ROW;
         for (int i = 0; i < D / 32; i++) {
             const __m512i x0 = _mm512_loadu_si512(r0 + 32 * i), x1 = _mm512_loadu_si512(r1 + 32 * i);
             const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
@@ -532,18 +540,54 @@ static void tile_f32_any(const char *q, int64_t q_stride, const char *kh, const 
     attend_tile_f32(q, q_stride, kh, vh, table, L0, R, G, D, block_size, scale, bf16, row_bytes, buf, out, out_stride);
 }
 
+/* softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (e^2x + 1) from one exponential (2x past
+ * 18 clamped: tanh is 1 in float32 there, and e^2x stays finite). */
+static inline v16 softcap16(v16 s, float softcap) {
+    v16 x2 = s * (2.0f / softcap);
+    x2 = (v16){0} - vmax((v16){0} - x2, (v16){0} - 18.0f);   /* min(x2, 18) */
+    return softcap * (1.0f - 2.0f / (exp16(x2) + 1.0f));
+}
+
+/* A head's scores for tokens 0..Lw-1 to e^(s - mx) in place, 0 past Lw, soft-capped first
+ * when `capped` (mx then the capped maximum), also as bf16 into pr unless NULL; returns their
+ * sum. Inlined with `capped` a constant: the loop without it has no cap. */
+static inline __attribute__((always_inline)) float to_probs(float *sc, uint16_t *pr, int64_t Lw, float mx,
+                                                            float softcap, int capped) {
+    v16 sv = {0};
+    for (int64_t t0 = 0; t0 < Lw; t0 += 16) {
+        v16 s = load16(sc + t0);
+        if (capped) s = softcap16(s, softcap);
+        v16 p = exp16(s - mx);
+        for (int j = Lw - t0 < 16 ? (int)(Lw - t0) : 16; j < 16; j++) p[j] = 0.0f;
+        store16(sc + t0, p);
+#if HAVE_DOT_BF16
+        if (pr != NULL) {
+            __m512 pf;
+            memcpy(&pf, &p, sizeof pf);
+            _mm256_storeu_si256((__m256i *)(pr + t0), (__m256i)_mm512_cvtneps_pbh(pf));
+        }
+#else
+        (void)pr;
+#endif
+        sv += p;
+    }
+    return hsum(sv);
+}
+
 /* One task: request b's query heads [kv*G, kv*G + G) over its L tokens of KV head kv.
  * Inlined with G and D constants where the caller can (see the dispatch below), so the
  * accumulators live in registers and the loops over heads and lanes unroll. */
-static inline __attribute__((always_inline)) void attend(const v16 *qv, const uint16_t *qh, const char *kh, const char *vh, const int64_t *table, int64_t L,
-                   int G, int D, int block_size, float scale, int bf16, size_t row_bytes,
+static inline __attribute__((always_inline)) void attend(const v16 *qv, const uint16_t *qh, const char *kh, const char *vh, const int64_t *table, int64_t lo, int64_t L,
+                   int G, int D, int block_size, float scale, float softcap, int bf16, size_t row_bytes,
                    v16 *acc, v16 *part, float *scores, int64_t Lp, next_task next) {
     const int n = D / 16;
+    const int64_t Lw = L - lo;   /* tokens lo..L-1 (a window's; lo 0 without one): scores[g * Lp + i] is token lo + i's */
     v16 row[16];    /* D <= 256 */
     v16 maxv[64];
     for (int g = 0; g < G; g++) maxv[g] = (v16){0} - INFINITY;
-    for (int64_t t0 = 0; t0 < L; t0 += 16) {
-        const int m = L - t0 < 16 ? (int)(L - t0) : 16;
+    for (int64_t i0 = 0; i0 < Lw; i0 += 16) {
+        const int64_t t0 = lo + i0;
+        const int m = Lw - i0 < 16 ? (int)(Lw - i0) : 16;
 #if HAVE_DOT_BF16
         if (qh != NULL && m == 16) {
             /* A whole chunk, one query head at a time: its 16 partial sums stay in registers
@@ -558,7 +602,7 @@ static inline __attribute__((always_inline)) void attend(const v16 *qv, const ui
                 #pragma GCC unroll 16
                 for (int j = 0; j < 16; j++) pr[BITREV4[j]] = dot_bf16(qh + g * D, k[j], D);
                 const v16 s = sum16x16(pr) * scale;
-                store16(scores + g * Lp + t0, s);
+                store16(scores + g * Lp + i0, s);
                 maxv[g] = vmax(maxv[g], s);
             }
             continue;
@@ -588,7 +632,7 @@ static inline __attribute__((always_inline)) void attend(const v16 *qv, const ui
         for (int g = 0; g < G; g++) {
             v16 s = sum16x16(part + g * 16) * scale;
             for (int j = m; j < 16; j++) s[j] = -INFINITY;
-            store16(scores + g * Lp + t0, s);
+            store16(scores + g * Lp + i0, s);
             maxv[g] = vmax(maxv[g], s);
         }
     }
@@ -597,39 +641,30 @@ static inline __attribute__((always_inline)) void attend(const v16 *qv, const ui
     uint16_t *probs = (uint16_t *)(scores + G * Lp);   /* the same probabilities in bf16 */
 #endif
     for (int g = 0; g < G; g++) {
-        const float mx = hmax(maxv[g]);
-        v16 sv = {0};
-        for (int64_t t0 = 0; t0 < L; t0 += 16) {
-            v16 s;
-            s = load16(scores + g * Lp + t0);
-            v16 p = exp16(s - mx);
-            for (int j = L - t0 < 16 ? (int)(L - t0) : 16; j < 16; j++) p[j] = 0.0f;
-            store16(scores + g * Lp + t0, p);
+        uint16_t *pr = NULL;
 #if HAVE_DOT_BF16
-            if (qh != NULL) {
-                __m512 pf;
-                memcpy(&pf, &p, sizeof pf);
-                _mm256_storeu_si256((__m256i *)(probs + g * Lp + t0), (__m256i)_mm512_cvtneps_pbh(pf));
-            }
+        if (qh != NULL) pr = probs + g * Lp;
 #endif
-            sv += p;
-        }
-        sums[g] = hsum(sv);
+        /* the branch once per head: a row without soft-capping runs the loop without it */
+        const float mx = hmax(maxv[g]);
+        sums[g] = softcap > 0 ? to_probs(scores + g * Lp, pr, Lw, softcap16(splat16(mx), softcap)[0], softcap, 1)
+                              : to_probs(scores + g * Lp, pr, Lw, mx, 0, 0);
     }
 #if HAVE_DOT_BF16
     if (qh != NULL) {
-        v_pass_bf16(vh, table, L, G, D, block_size, row_bytes, probs, Lp, sums, acc, next);
+        v_pass_bf16(vh, table, lo, L, G, D, block_size, row_bytes, probs, Lp, sums, acc, next);
         return;
     }
 #endif
     v16 a[MAX_ACC];
     for (int k = 0; k < G * n; k++) a[k] = (v16){0};
     int64_t asked = 0, credit = 0;
-    for (int64_t t = 0; t < L; t++) {
-        ask_next(next, L, block_size, row_bytes, &asked, &credit);
+    for (int64_t i = 0; i < Lw; i++) {
+        const int64_t t = lo + i;
+        ask_next(next, Lw, block_size, row_bytes, &asked, &credit);
         load_row(vh, slot_of(table, t, block_size), D, bf16, row);
         for (int g = 0; g < G; g++) {
-            const float p = scores[g * Lp + t];
+            const float p = scores[g * Lp + i];
             for (int i = 0; i < n; i++) a[g * n + i] += p * row[i];
         }
     }
@@ -640,14 +675,15 @@ static inline __attribute__((always_inline)) void attend(const v16 *qv, const ui
 /* The task with G and D as constants for the shapes models use (GQA groups of 1 to 8, heads
  * of 64 or 128), else as variables. */
 static void attend_any(const v16 *qv, const uint16_t *qh, const char *kh, const char *vh, const int64_t *table,
-                       int64_t L, int G, int D, int block_size, float scale, int bf16, size_t row_bytes,
-                       v16 *acc, v16 *part, float *scores, int64_t Lp, next_task next) {
+                       int64_t lo, int64_t L, int G, int D, int block_size, float scale, float softcap, int bf16,
+                       size_t row_bytes, v16 *acc, v16 *part, float *scores, int64_t Lp, next_task next) {
 #define TASK(GG, DD) if (G == GG && D == DD) \
-        return attend(qv, qh, kh, vh, table, L, GG, DD, block_size, scale, bf16, row_bytes, acc, part, scores, Lp, next)
+        return attend(qv, qh, kh, vh, table, lo, L, GG, DD, block_size, scale, softcap, bf16, row_bytes, acc, part, \
+                      scores, Lp, next)
     TASK(1, 64); TASK(2, 64); TASK(3, 64); TASK(4, 64); TASK(5, 64); TASK(6, 64); TASK(7, 64); TASK(8, 64);
     TASK(1, 128); TASK(2, 128); TASK(3, 128); TASK(4, 128); TASK(5, 128); TASK(6, 128); TASK(7, 128); TASK(8, 128);
 #undef TASK
-    attend(qv, qh, kh, vh, table, L, G, D, block_size, scale, bf16, row_bytes, acc, part, scores, Lp, next);
+    attend(qv, qh, kh, vh, table, lo, L, G, D, block_size, scale, softcap, bf16, row_bytes, acc, part, scores, Lp, next);
 }
 
 /* 1 when this build rounds a bf16 cache's probabilities to bf16 (v_pass_bf16; head sizes a
@@ -713,14 +749,19 @@ int paged_decode_attention_tiles(const int64_t *block_tables, const int64_t *con
     return n_tiles;
 }
 
+/* The first token a row of context L sees: its window's first, or 0. */
+static inline int64_t window_start(int64_t L, int window) { return window > 0 && L > window ? L - window : 0; }
+
 /* q, out: [B, H, D] and caches [KV, S, D], all float32 (bf16 = 0) or all bfloat16 (bf16 = 1);
  * q's tokens q_stride elements apart (its heads contiguous: a view of the fused QKV output
- * needs no copy), out contiguous. Runs of at least TILE_MIN rows of one prompt chunk go in
+ * needs no copy), out contiguous. scale as given (a family's query scale); window > 0: each
+ * row sees its last `window` tokens; softcap > 0: scores soft-capped (see the top). Runs of at least TILE_MIN rows of one prompt chunk go in
  * tiles (bf16 dot products on AVX512-BF16, float32 FMAs otherwise), every other row alone. */
 void paged_decode_attention(const void *q, const void *k_cache, const void *v_cache,
                             const int64_t *block_tables, const int64_t *context_lens,
                             void *out, int B, int H, int KV, int D, int W, int block_size,
-                            int64_t S, float scale, int num_threads, int bf16, int64_t q_stride) {
+                            int64_t S, float scale, int num_threads, int bf16, int64_t q_stride, int window,
+                            float softcap) {
     const int G = H / KV, n = D / 16;
     const size_t elem = bf16 ? 2 : 4, row_bytes = D * elem;
     int64_t max_len = 0;
@@ -728,7 +769,8 @@ void paged_decode_attention(const void *q, const void *k_cache, const void *v_ca
     const int64_t Lp = (max_len + 15) / 16 * 16;
     work *plan = (work *)malloc(sizeof(work) * (B + 1));
     int n_tiles;
-    const int n_work = make_plan(plan, &n_tiles, block_tables, context_lens, B, W, block_size, tiles_apply(D));
+    const int n_work = make_plan(plan, &n_tiles, block_tables, context_lens, B, W, block_size,
+                                 tiles_apply(D) && window <= 0 && !(softcap > 0));
     const int tile_bf16 = tiles_in_bf16(bf16, D);
     const int tasks = n_work * KV;
     int claimed = 0;
@@ -792,17 +834,18 @@ void paged_decode_attention(const void *q, const void *k_cache, const void *v_ca
                 task = after;
                 continue;
             }
-            next_task next = {NULL, NULL, 0};
+            next_task next = {NULL, NULL, 0, 0};
             if (after < tasks && !plan[after / KV].rows) {
                 const int nb = plan[after / KV].row;
+                const int64_t nlo = window_start(context_lens[nb], window);
                 next = (next_task){(const char *)k_cache + (int64_t)(after % KV) * S * row_bytes,
-                                   block_tables + (int64_t)nb * W, context_lens[nb]};
+                                   block_tables + (int64_t)nb * W, nlo, context_lens[nb] - nlo};
             }
             for (int g = 0; g < G; g++)
                 load_row(qg, g, D, bf16, qv + g * n);
             const uint16_t *qh = bf16 && D % 32 == 0 && HAVE_DOT_BF16 ? (const uint16_t *)qg : NULL;
-            attend_any(qv, qh, kh, vh, block_tables + (int64_t)b * W, context_lens[b], G, D, block_size, scale,
-                       bf16, row_bytes, acc, part, scores, Lp, next);
+            attend_any(qv, qh, kh, vh, block_tables + (int64_t)b * W, window_start(context_lens[b], window),
+                       context_lens[b], G, D, block_size, scale, softcap, bf16, row_bytes, acc, part, scores, Lp, next);
             for (int g = 0; g < G; g++) {
                 const float *a = (const float *)(acc + g * n);
                 if (bf16) {

@@ -92,8 +92,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         chunk = batch.prefills[j]
         s, n = chunk.token_start, chunk.num_tokens
         if kernel and chunk.row_slots is not None and (masks is None or masks[j] is None):
+            slots = chunk.row_slots if window <= 0 else _slots_in_position_order(chunk)
             out[s:s + n] = paged_attention_cpu.paged_decode_attention(
-                q[s:s + n], k_cache, v_cache, chunk.row_slots, chunk.row_lens, 1, scale, window, softcap)
+                q[s:s + n], k_cache, v_cache, slots, chunk.row_lens, 1, scale, window, softcap)
             continue
         mask = chunk.mask if masks is None or masks[j] is None else masks[j]
         if capped:
@@ -196,6 +197,15 @@ def _decode_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return o.transpose(0, 1).reshape(B, H, D)
 
 
+def _slots_in_position_order(chunk: PrefillChunk) -> torch.Tensor:
+    """A draft tree's row slots with each row's keys in position order (its mask's True
+    columns ascending: the context, then the ancestors root first), as the kernel's window
+    takes them: row_slots may list the ancestors in another order (any order serves without
+    a window)."""
+    order = torch.argsort((~chunk.mask).to(torch.int8), dim=1, stable=True)[:, :chunk.row_slots.shape[1]]
+    return chunk.context_slots[order]
+
+
 def _window(mask: torch.Tensor, window: int) -> torch.Tensor:
     """mask [..., L] (True: may attend) keeping each row's last `window` True columns: a row's
     keys are its positions 0..p in order, so these are p - window < k <= p."""
@@ -242,10 +252,10 @@ def _attend_explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 def _kernel_takes(window: int, softcap: float) -> bool:
-    """Whether the C kernel computes windows and soft-capping itself (else the torch paths
-    do, logged once)."""
-    _log_once("the paged attention kernel does not take windows or soft-capping yet: torch attends")
-    return False
+    """Whether the C kernel computes this window and soft-capping itself: it does (its prompt
+    tiles do not yet: such rows go one at a time, logged once)."""
+    _log_once("window or soft-capping: the paged attention kernel takes prompt rows one at a time (not in tiles)")
+    return True
 
 
 @functools.cache   # once per process per case
