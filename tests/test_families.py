@@ -45,6 +45,11 @@ FAMILIES = {
     "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=24,
                                     attn_logit_softcapping=1.5, final_logit_softcapping=4.0,
                                     num_hidden_layers=3, tie_word_embeddings=True)),
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=24,
+                                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                        num_hidden_layers=3, tie_word_embeddings=True, rope_parameters={
+                                            "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1e6),
+                                            "sliding_attention": dict(rope_type="default", rope_theta=100.0)})),
 }
 
 PROMPT = torch.randint(3, 49152, (100,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -167,7 +172,7 @@ def test_a_worker_given_custom_code_exits_78_once_with_the_reason(checkpoints, t
 
 # -- every path: the same greedy tokens monolithic, under speculative verification, in shards ---
 
-@pytest.mark.parametrize("family", ["mistral", "olmo2", "gemma2"])
+@pytest.mark.parametrize("family", ["mistral", "olmo2", "gemma2", "gemma3"])
 def test_monolithic_equals_speculative_equals_pipeline_shards(checkpoints, family):
     """Tree verification attends with explicit masks (within the window; Gemma 2: soft-capped), and the
     shards run each a layer range of the same driver."""

@@ -15,6 +15,7 @@ ARCHITECTURES = {
     "Phi3ForCausalLM": "llama",
     "Olmo2ForCausalLM": "olmo2",
     "Gemma2ForCausalLM": "gemma",
+    "Gemma3ForCausalLM": "gemma",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen_moe",
     "Qwen3MoeForCausalLM": "qwen_moe",
@@ -40,6 +41,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: tuple[tuple[str, object], ...] = ()   # config.json's rope_scaling items (see layers/rope.py)
+    local_rope_theta: float = 0.0   # Gemma 3: the sliding-window layers' own RoPE base (0: rope_theta)
     layer_windows: tuple[int, ...] = ()   # per layer: sliding window in tokens (0: full); (): none windowed
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
@@ -86,6 +88,7 @@ class ModelConfig:
         if cfg.get("auto_map"):
             raise ConfigError(f"the checkpoint needs its own code (auto_map {sorted(cfg['auto_map'])}); "
                               "Tessera runs only the architectures it implements: " + ", ".join(sorted(ARCHITECTURES)))
+        cfg, local_theta = _split_rope_by_layer_type(cfg)
         rope = cfg.get("rope_parameters") or {}
         if rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
             raise ConfigError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
@@ -105,13 +108,14 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
             rope_scaling=_rope_scaling(cfg),
+            local_rope_theta=local_theta,
             layer_windows=_layer_windows(cfg),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             qkv_bias=bool(cfg.get("qkv_bias", cfg.get("attention_bias", False))
                           or model_type in ("qwen2", "qwen2_moe")),
             o_bias=bool(cfg.get("attention_bias", False)) and model_type not in ("qwen2", "qwen2_moe"),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
             residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
             logits_scaling=float(cfg.get("logits_scaling", 1.0)),
@@ -128,6 +132,19 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
         )
+
+
+def _split_rope_by_layer_type(cfg: dict) -> tuple[dict, float]:
+    """Gemma 3 gives full and sliding layers each their RoPE (rope_parameters keyed by layer
+    type in transformers 5, rope_local_base_freq before): (cfg with the full layers' as its
+    rope_parameters, the sliding layers' base; 0.0 where there is none)."""
+    rope = cfg.get("rope_parameters") or {}
+    if "full_attention" not in rope:
+        return cfg, float(cfg.get("rope_local_base_freq") or 0.0)
+    local = rope.get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ConfigError(f"rope type {local['rope_type']!r} on the sliding-window layers is not supported")
+    return dict(cfg, rope_parameters=rope["full_attention"]), float(local.get("rope_theta") or 0.0)
 
 
 def _rope_scaling(cfg: dict) -> tuple[tuple[str, object], ...]:
