@@ -170,12 +170,14 @@ def test_a_worker_given_custom_code_exits_78_once_with_the_reason(checkpoints, t
     assert "Traceback" not in out.stderr
 
 
-# -- every path: the same greedy tokens monolithic, under speculative verification, in shards ---
+# -- every path: the same greedy tokens monolithic, speculative, in shards, attention-FFN split --
 
 @pytest.mark.parametrize("family", ["mistral", "olmo2", "gemma2", "gemma3"])
-def test_monolithic_equals_speculative_equals_pipeline_shards(checkpoints, family):
-    """Tree verification attends with explicit masks (within the window; Gemma 2: soft-capped), and the
-    shards run each a layer range of the same driver."""
+def test_monolithic_equals_speculative_pipeline_and_afd(checkpoints, family):
+    """Tree verification attends with explicit masks (within the window; Gemma 2: soft-capped),
+    the shards run each a layer range of the same driver, and on the AFD path two expert nodes
+    hold half the MLP columns each while the attention node keeps the norms around them."""
+    from test_disagg_inprocess import afd_engine
     from test_pipeline_inprocess import WHOLE_STEP, close, pipeline
     from tessera.tokenizer import load_tokenizer
     path = checkpoints(family)
@@ -190,6 +192,13 @@ def test_monolithic_equals_speculative_equals_pipeline_shards(checkpoints, famil
         assert first.generate([PROMPT], GREEDY) == expected
     finally:
         close(shards)
+    afd, workers = afd_engine(path, load_tokenizer(path), nodes=2, micro_batches=1)
+    try:
+        assert afd.generate([PROMPT], GREEDY) == expected
+    finally:
+        afd.runner.stop_experts()
+        for w in workers:
+            w.join()
 
 
 def test_served_by_tessera_serve_with_the_openai_client(checkpoints):
