@@ -46,6 +46,10 @@ def start(config: EngineConfig, compile_model: bool = False, role: str = "worker
                            kv_cache_memory_bytes=int(config.cache.kv_cache_gib * 2**30),
                            enable_prefix_caching=config.cache.enable_prefix_caching,
                            enforce_eager=not compile_model, disable_log_stats=True, seed=0)
+    # Eager and compiled vLLM round bf16 differently, so near-ties (FRANCE's first token) can go
+    # either way between them: say which `vllm serve` this worker matches (docs/vllm-backend.md).
+    log.info("vLLM %s, %s: the greedy output of `vllm serve %s --dtype %s%s`", vllm.__version__,
+             "compiled" if compile_model else "eager", args.model, dtype, "" if compile_model else " --enforce-eager")
     sink: dict = {}
     llm = AsyncLLM.from_engine_args(args, stat_loggers=[stats_logger(sink)])
     version = f"vllm-{vllm.__version__}" + ("" if compile_model else "-eager")
