@@ -153,3 +153,24 @@ def test_the_avx2_build_keeps_the_window_and_the_cap(tmp_path):
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert list((tmp_path / "kernels").glob("paged_decode_attention-*.so"))
+
+
+@pytest.mark.skipif(not pa.available(), reason="no C compiler for the CPU kernel")
+def test_a_replayed_step_keeps_the_window_and_the_cap():
+    """A step recorded (step_graph.py replays decode and prompt rows this way) and made again on
+    new queries: the kernel call carries the window and the cap, so the replay is the new step's
+    attention, not the recorded one's."""
+    from tessera_kernels import replay
+    step = Step(torch.float32, seed=3)
+    step.request(45, 1)
+    step.request(7, 1)
+    step.request(0, 9)
+    batch = build_forward_batch(StepPlan(tuple(step.entries)), BS)
+    q, k, v = torch.cat(step.q), torch.cat(step.k), torch.cat(step.v)
+    with replay.record() as rec:
+        out = attention.paged_attention(q, k, v, step.k_cache, step.v_cache, batch, SCALE, window=6, softcap=3.0)
+    assert rec.refused is None and rec.calls
+    q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(4)))
+    rec.replay()
+    ref = torch.stack([_reference(q[t], *step.sees[t], SCALE, 6, 3.0) for t in range(len(step.sees))])
+    _assert_close(out, ref, torch.float32, 0)
