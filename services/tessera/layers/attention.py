@@ -69,6 +69,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     paged_attention_cpu.kv_write(k, v, k_cache, v_cache, batch.slot_mapping)
     capped = window > 0 or softcap > 0
     kernel = _kernel_applies(q) and (not capped or _kernel_takes(window, softcap))
+    capping = {"window": window, "softcap": softcap} if capped else {}   # other models: the call as it was
     by_kernel = kernel and masks is None and batch.causal_token_idx is not None
     long_by_sdpa = by_kernel and not capped and prompts_by_sdpa(q)
     to_sdpa = [c for c in batch.prefills if long_by_sdpa and _sdpa_takes(c)]
@@ -80,7 +81,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if rows.numel():
         qr = q if out is None else q[rows]      # rows ascend: all of them is every token
         res = (paged_attention_cpu.paged_decode_attention(qr, k_cache, v_cache, tables, lens, batch.block_size, scale,
-                                                          window, softcap)
+                                                          **capping)
                if kernel else _decode_gathered(qr, k_cache, v_cache, batch, scale, window, softcap))
         if out is None:
             return res
@@ -94,7 +95,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if kernel and chunk.row_slots is not None and (masks is None or masks[j] is None):
             slots = chunk.row_slots if window <= 0 else _slots_in_position_order(chunk)
             out[s:s + n] = paged_attention_cpu.paged_decode_attention(
-                q[s:s + n], k_cache, v_cache, slots, chunk.row_lens, 1, scale, window, softcap)
+                q[s:s + n], k_cache, v_cache, slots, chunk.row_lens, 1, scale, **capping)
             continue
         mask = chunk.mask if masks is None or masks[j] is None else masks[j]
         if capped:
