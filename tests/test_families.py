@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -127,6 +128,17 @@ def test_bf16_greedy_within_bf16_rounding(checkpoints, family):
         hf_err = (hf_bf16(seq).logits[0, rows].float() - exact).abs().amax(dim=-1)
     shortfall = exact.amax(dim=-1) - exact.gather(1, torch.tensor(out)[:, None])[:, 0]
     assert (shortfall <= 4 * hf_err + EPS).all(), (shortfall.tolist(), hf_err.tolist())
+
+
+@pytest.mark.parametrize("family, windows", [("gemma2", (24, 0, 24)), ("gemma3", (24, 24, 0))])
+def test_configs_written_before_layer_types_get_the_same_windows(checkpoints, family, windows):
+    """Gemma 2 alternates from layer 0; Gemma 3 has every sliding_window_pattern-th layer full
+    (transformers 5 fills layer_types so when config.json has none, as older ones do not)."""
+    from tessera.models.model_config import ModelConfig
+    cfg = json.loads((Path(checkpoints(family)) / "config.json").read_text())
+    assert ModelConfig.from_hf(cfg).layer_windows == (24, 0, 24)
+    del cfg["layer_types"]
+    assert ModelConfig.from_hf(dict(cfg, sliding_window_pattern=3)).layer_windows == windows
 
 
 # -- checkpoints we cannot run: one clear configuration error at start-up ---------------------

@@ -164,10 +164,13 @@ def _rope_scaling(cfg: dict) -> tuple[tuple[str, object], ...]:
 
 def _layer_windows(cfg: dict) -> tuple[int, ...]:
     """Which layers slide and by how much: layer_types when config.json lists them (transformers
-    5 writes them for Qwen2/3, Gemma); else Mistral's/Mixtral's sliding_window on every layer,
-    or Qwen2's use_sliding_window from max_window_layers on."""
+    5 writes them for Qwen2/3, Gemma); else Gemma's fixed pattern, Mistral's/Mixtral's/Phi-3's
+    sliding_window on every layer, or Qwen2's use_sliding_window from max_window_layers on."""
     window, n = cfg.get("sliding_window") or 0, cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
+    pattern = {"gemma2": 2, "gemma3_text": cfg.get("sliding_window_pattern", 6)}.get(cfg.get("model_type"))
+    if not types and pattern:   # written before layer_types: every pattern-th layer is full
+        types = ["sliding_attention" if (l + 1) % pattern else "full_attention" for l in range(n)]
     if types:
         windows = tuple(window if t == "sliding_attention" else 0 for t in types)
     elif not window or cfg.get("use_sliding_window") is False:
