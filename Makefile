@@ -21,8 +21,14 @@ setup-dev: setup
 serve: setup
 	$(BIN)/tessera serve
 
+# The suite in two processes, each file list in one: the in-process engines of ~100 files leave
+# heap behind them that would otherwise add up in one process past what a 24 GiB machine has.
+TESTS_FIRST := $(sort $(wildcard tests/test_[a-l]*.py))
+TESTS_SECOND := $(filter-out $(TESTS_FIRST),$(sort $(wildcard tests/test_*.py)))
+
 test: setup-dev docs
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q $(TESTS_FIRST); first=$$?; \
+	$(BIN)/python -m pytest -q $(TESTS_SECOND) && exit $$first
 
 # The documentation site (docs/, mkdocs.yml); --strict: a broken link or anchor fails the build.
 # The CLI and OpenAPI reference pages are generated from the code as it builds (docs/hooks/).

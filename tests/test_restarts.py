@@ -98,6 +98,16 @@ def _registered(up: Logged, prefix: str = "tessera:single") -> list[str]:
 
 
 def test_up_restarts_a_sigkilled_worker_while_its_streams_fail_over(single):
+    up, url, _ = single
+    try:
+        _sigkilled_worker_streams_fail_over(single)
+    except (AssertionError, TimeoutError) as e:   # what up and the gateway saw, for a failure in CI
+        metrics = [line for line in httpx.get(url + "/metrics").text.splitlines() if line.startswith("tessera_gateway")]
+        raise AssertionError(f"{e}\n--- tessera up:\n" + "\n".join(up.lines[-80:]) +
+                             "\n--- gateway metrics:\n" + "\n".join(metrics)) from e
+
+
+def _sigkilled_worker_streams_fail_over(single):
     up, url, worker_port = single
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
     wait_until(lambda: len(_registered(up)) == 2, 30, "both workers never registered")
