@@ -60,7 +60,8 @@ def test_redis_outage_is_an_error_the_caller_can_survive():
     asyncio.run(main())
 
 
-async def stream_text(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> tuple[str, list]:
+async def stream_text(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,
+                      first: asyncio.Event | None = None) -> tuple[str, list]:
     # seeded sampling, penalties, min_tokens and a stop string: a resumed stream must carry
     # the generation's state to reproduce it (seeded draws, penalty counts, held-back text)
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "seed": 7,
@@ -78,6 +79,8 @@ async def stream_text(client: httpx.AsyncClient, model: str, prompt: str, max_to
                 if data.get("usage"):
                     events.append(data["usage"])
                 text += "".join(c["text"] for c in data["choices"])
+                if first is not None and text:
+                    first.set()
     return text, events
 
 
@@ -91,20 +94,20 @@ def test_sigkill_a_worker_with_8_streams_in_flight(redis, tiny_models):
         url, _ = stack.enter_context(tessera_gateway("--registry", redis, "--registry-prefix", prefix))
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
 
-        async def run(kill_after_s: float | None):
+        async def run(kill: bool):
             async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-                tasks = [asyncio.create_task(stream_text(client, model, p, 300)) for p in prompts]
-                if kill_after_s is not None:
-                    await asyncio.sleep(kill_after_s)
+                firsts = [asyncio.Event() for _ in prompts]
+                tasks = [asyncio.create_task(stream_text(client, model, p, 300, first))
+                         for p, first in zip(prompts, firsts)]
+                if kill:   # once every stream has text, whatever this machine's speed: all are mid-flight
+                    await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 60)
                     workers[0][1].send_signal(signal.SIGKILL)
                     killed_at = time.monotonic()
                 done = await asyncio.gather(*tasks)
-                return [(t, e[-1]) for t, e in done], (time.monotonic() - killed_at if kill_after_s else 0)
+                return [(t, e[-1]) for t, e in done], (time.monotonic() - killed_at if kill else 0)
 
-        t0 = time.monotonic()
-        expected, _ = asyncio.run(run(None))
-        # the kill a third of the way in, whatever this machine's speed: streams are mid-flight
-        texts, after_kill = asyncio.run(run((time.monotonic() - t0) / 3))
+        expected, _ = asyncio.run(run(False))
+        texts, after_kill = asyncio.run(run(True))
         assert texts == expected          # every stream completed: same text, same usage
         assert after_kill < 30
 
