@@ -71,11 +71,17 @@ class WorkerPool:
         error: WorkerError = Unavailable("no worker is available for this model")
         while (address := self._pick(tried, state.compat)) is not None:
             tried.add(address)
-            compat = await self._compat(address)
+            # counted before the first await: requests arriving together spread over the members
+            self.outstanding[address] += 1
+            try:
+                compat = await self._compat(address)
+            except BaseException:
+                self.outstanding[address] -= 1
+                raise
             if state.compat and compat != state.compat:   # a resumed stream only moves between equals
+                self.outstanding[address] -= 1
                 continue
             state.compat = state.compat or compat
-            self.outstanding[address] += 1
             self.routed[address] = self.routed.get(address, 0) + 1
             attempt = state.attempt(request, len(tried))
             self._owner[request.request_id] = (address, attempt.request_id)
