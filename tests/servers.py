@@ -237,7 +237,9 @@ class Logged:
         """The registry URL of the Redis `tessera up` started, with its password: read from that
         redis-server's config file (private to this user), as the same user on the host could."""
         url = self.wait_for(r"tessera up: registry (\S+)")[1]
-        conf = pathlib.Path(f"/proc/{self.pid('redis-0')}/cwd/redis.conf")    # redis-server runs in up's scratch
+        # redis-server runs in up's scratch once it has read its --dir: a just-restarted one may not yet
+        conf = pathlib.Path(f"/proc/{self.pid('redis-0')}/cwd/redis.conf")
+        wait_until(conf.exists, 10, f"redis-0 never moved to the directory of its config file ({conf})")
         password = next(line.split(None, 1)[1].strip() for line in open(conf) if line.startswith("requirepass "))
         return url.replace("redis://", f"redis://:{password}@", 1)
 
