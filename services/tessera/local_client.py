@@ -2,15 +2,20 @@
 so the gateway and a whole deployment can run inside one test process."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import AsyncIterator
 
 from tessera.async_engine import AsyncEngine
+from tessera.generation_defaults import GenerationDefaults
 from tessera.worker_api import GenerateChunk, GenerateInput, WorkerInfo
 
 
 class LocalWorkerClient:
-    def __init__(self, engine: AsyncEngine) -> None:
+    """generation_defaults: what the worker process would report (--generation-config)."""
+
+    def __init__(self, engine: AsyncEngine, generation_defaults: GenerationDefaults = GenerationDefaults()) -> None:
         self.engine = engine
+        self.generation_defaults = generation_defaults
 
     async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateChunk]:
         async for chunk in self.engine.generate(request):
@@ -21,7 +26,7 @@ class LocalWorkerClient:
 
     async def info(self, timeout_s: float = 5.0) -> WorkerInfo:
         """Answers at once (no network): timeout_s is there for the WorkerClient interface."""
-        return self.engine.info()
+        return replace(self.engine.info(), generation_defaults=self.generation_defaults)
 
     async def close(self) -> None:
         return None

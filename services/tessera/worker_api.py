@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, NamedTuple, Protocol
 
 from tessera.config import SamplingParams
+from tessera.generation_defaults import GenerationDefaults
 from tessera.request import RequestTimings, Resume
 
 
@@ -95,6 +96,7 @@ class WorkerInfo:
     stage_compute_s: float = 0.0     # a pipeline's first stage: seconds in its own layers since start
     replay_checks: int = 0           # replayed steps checked again against the eager step (replay_check_every),
     replay_mismatches: int = 0       # and those that differed (their graph dropped)
+    generation_defaults: GenerationDefaults = GenerationDefaults()   # for fields a request leaves unset
 
 
 class WorkerError(Exception):

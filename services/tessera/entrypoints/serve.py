@@ -20,6 +20,7 @@ from tessera.entrypoints.draft_worker import TARGET_ONLY_FIELDS
 from tessera.entrypoints.flags import to_argv
 from tessera.entrypoints.gateway.admission import AdmissionConfig
 from tessera.entrypoints.gateway.main import ADMISSION_FLAGS, GatewayConfig
+from tessera.generation_defaults import GenerationConfigSource
 from tessera.mtls import ENV as TLS_ENV
 from tessera.mtls.certs import write_role_dirs
 
@@ -28,7 +29,8 @@ GATEWAY_FIELDS_SET_BY_SERVE = ("worker", "registry", "registry_prefix", "shutdow
 
 
 def process_args(engine: EngineConfig, gateway: GatewayConfig, admission: AdmissionConfig, worker_port: int,
-                 grace_s: float, draft_port: int | None = None) -> tuple[list[str], list[str]]:
+                 grace_s: float, draft_port: int | None = None,
+                 generation: GenerationConfigSource = GenerationConfigSource()) -> tuple[list[str], list[str]]:
     """The `tessera worker ...` and `tessera gateway ...` arguments; with draft_port the
     worker drafts through the draft worker there, on one thread unless --threads says otherwise."""
     if admission.keys_from_redis:
@@ -36,7 +38,7 @@ def process_args(engine: EngineConfig, gateway: GatewayConfig, admission: Admiss
     if draft_port is not None:
         engine = replace(engine, num_threads=engine.num_threads or 1, speculative=replace(
             engine.speculative, draft_address=f"127.0.0.1:{draft_port}"))
-    worker = ["worker", "--host", "127.0.0.1", "--port", str(worker_port), *to_argv(engine),
+    worker = ["worker", "--host", "127.0.0.1", "--port", str(worker_port), *to_argv(engine), *to_argv(generation),
               "--shutdown-grace-s", f"{grace_s:g}"]
     gateway = replace(gateway, worker=(f"127.0.0.1:{worker_port}",), shutdown_grace_s=grace_s)
     return worker, ["gateway", *to_argv(gateway), *to_argv(admission, **ADMISSION_FLAGS)]
@@ -54,7 +56,8 @@ def draft_worker_args(engine: EngineConfig, draft_port: int, grace_s: float) -> 
 
 
 def main(engine: EngineConfig, gateway: GatewayConfig, admission: AdmissionConfig, worker_port: int,
-         supervisor: SupervisorConfig = SupervisorConfig(), draft_port: int = 50081, certs: str | None = None) -> int:
+         supervisor: SupervisorConfig = SupervisorConfig(), draft_port: int = 50081, certs: str | None = None,
+         generation: GenerationConfigSource = GenerationConfigSource()) -> int:
     grace = supervisor.shutdown_grace_s
     # A draft worker of our own unless --draft-address names one (or the drafter is prompt
     # lookup, which needs no model and stays in the target); the target decodes plainly while
@@ -65,7 +68,7 @@ def main(engine: EngineConfig, gateway: GatewayConfig, admission: AdmissionConfi
                           "draft worker elsewhere holds; run both under `tessera up` (a draft_worker role)")
     own_draft = spec.draft not in (None, "ngram")
     worker_args, gateway_args = process_args(engine, gateway, admission, worker_port, grace,
-                                             draft_port if own_draft else None)
+                                             draft_port if own_draft else None, generation)
     with tempfile.TemporaryDirectory(prefix="tessera-serve-") as scratch:
         roles = ("worker", "gateway", "draft-worker")    # certs: a tool (a test) that calls them too
         tls = {r: pathlib.Path(certs) / r for r in roles} if certs else write_role_dirs(scratch, "serve", roles)

@@ -9,6 +9,7 @@ import logging
 import random
 import signal
 import time
+from dataclasses import replace
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -19,6 +20,7 @@ from tessera.config import ConfigError, EngineConfig
 from tessera.cpu_pinning import pin_engine_threads
 from tessera.engine import Engine
 from tessera.gc_heap import freeze_startup_heap
+from tessera.generation_defaults import GenerationConfigSource, GenerationDefaults, read
 from tessera.rpc import convert, options
 from tessera.rpc.v1 import worker_pb2, worker_pb2_grpc
 from tessera.worker_api import InternalError, InvalidRequest, Unavailable, WorkerError
@@ -28,8 +30,9 @@ SERVICE = "tessera.rpc.v1.Worker"
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, generation_defaults: GenerationDefaults = GenerationDefaults()) -> None:
         self.engine = engine
+        self.generation_defaults = generation_defaults
         self.draining = False
         self._outboxes: set[_Outbox] = set()
 
@@ -127,7 +130,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.AbortResponse(found=True)
 
     async def Info(self, request, context):
-        return convert.info_to_proto(self.engine.info())
+        return convert.info_to_proto(replace(self.engine.info(), generation_defaults=self.generation_defaults))
 
 
 MESSAGE_BYTES = 4 << 20   # a session message stays far below the client's 64 MiB receive limit
@@ -183,12 +186,14 @@ async def _watch_health(engine: AsyncEngine, health_servicer: health.HealthServi
 
 async def serve(config: EngineConfig, host: str, port: int, build=None, role: str = "worker",
                 registration=None, metrics_port: int | None = None, shutdown_grace_s: float = 30.0,
-                engine=None) -> None:
+                engine=None, generation: GenerationConfigSource = GenerationConfigSource()) -> None:
     """build() makes the engine (default: a monolithic one); an attention node passes its own;
     `engine` is one already running with AsyncEngine's face (the vLLM adapter, vllm_backend/).
     registration = (redis url, key prefix, advertised address) registers it with heartbeats;
-    metrics_port serves the worker's Prometheus metrics over HTTP. Serves until SIGTERM or
-    SIGINT, then drains (see _drain)."""
+    metrics_port serves the worker's Prometheus metrics over HTTP; `generation` names the
+    sampling defaults its Info reply carries (a bad file stops the start, before the model
+    loads). Serves until SIGTERM or SIGINT, then drains (see _drain)."""
+    defaults = read(generation, config.model)
     one_malloc_arena()   # before the engine thread exists
     engine = engine or AsyncEngine(build or (lambda: _warmed(_pinned(Engine(config)))), role=role)
     if metrics_port:
@@ -196,7 +201,7 @@ async def serve(config: EngineConfig, host: str, port: int, build=None, role: st
         serve_worker_metrics(engine, role, metrics_port, host)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20), *options.ACCEPT_KEEPALIVE,
                                       *mtls.SERVER_OPTIONS], interceptors=[mtls.AioServerInterceptor()])
-    servicer = WorkerServicer(engine)
+    servicer = WorkerServicer(engine, defaults)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -326,8 +331,8 @@ async def _register(engine: AsyncEngine, config: EngineConfig, role: str, regist
 
 
 def main(config: EngineConfig, host: str, port: int, registration=None, metrics_port: int | None = None,
-         shutdown_grace_s: float = 30.0) -> int:
+         shutdown_grace_s: float = 30.0, generation: GenerationConfigSource = GenerationConfigSource()) -> int:
     """`tessera worker`."""
     asyncio.run(serve(config, host, port, registration=registration, metrics_port=metrics_port,
-                      shutdown_grace_s=shutdown_grace_s))
+                      shutdown_grace_s=shutdown_grace_s, generation=generation))
     return 0

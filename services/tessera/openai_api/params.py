@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 
 from tessera.config import INT32_MAX, ConfigError, SamplingParams
+from tessera.generation_defaults import GenerationDefaults
 from tessera.openai_api.chat_messages import worker_messages, worker_tools
 from tessera.openai_api.errors import APIError
 from tessera.openai_api.protocol import ChatCompletionRequest, CompletionRequest
@@ -37,22 +38,31 @@ def cache_salt(tenant: str | None, salt: str | None) -> str | None:
 
 
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
-                    logprobs: int | None, seed: int | None, rules: RequestRules = RequestRules()) -> SamplingParams:
+                    logprobs: int | None, seed: int | None, rules: RequestRules = RequestRules(),
+                    defaults: GenerationDefaults = GenerationDefaults()) -> SamplingParams:
+    """A field the request leaves unset (None) takes the model's default (generation_config.json,
+    as vLLM), else SamplingParams' own; max_tokens None (chat without a limit) likewise."""
     _check_caps(req, rules)
     try:
         return SamplingParams(
-            temperature=1.0 if req.temperature is None else float(req.temperature),
-            top_p=1.0 if req.top_p is None else float(req.top_p),
-            top_k=0 if req.top_k in (None, -1) else req.top_k, min_p=float(req.min_p or 0.0),
+            temperature=float(_first(req.temperature, defaults.temperature, 1.0)),
+            top_p=float(_first(req.top_p, defaults.top_p, 1.0)),
+            top_k=0 if req.top_k == -1 else _first(req.top_k, defaults.top_k, 0),
+            min_p=float(_first(req.min_p, defaults.min_p, 0.0)),
             presence_penalty=float(req.presence_penalty or 0.0),
             frequency_penalty=float(req.frequency_penalty or 0.0),
-            repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
+            repetition_penalty=float(_first(req.repetition_penalty, defaults.repetition_penalty, 1.0)),
             seed=seed, stop=req.stop_list(), stop_token_ids=tuple(req.stop_token_ids or ()),
-            max_tokens=max_tokens, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
+            max_tokens=_first(max_tokens, defaults.max_tokens, None), min_tokens=req.min_tokens,
+            ignore_eos=req.ignore_eos,
             logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
             logit_bias=_logit_bias(req.logit_bias), cache_salt=cache_salt(rules.tenant, req.cache_salt))
     except ConfigError as e:
         raise APIError(400, str(e), param=e.param) from e
+
+
+def _first(given, default, neutral):
+    return given if given is not None else default if default is not None else neutral
 
 
 def _check_caps(req: ChatCompletionRequest | CompletionRequest, rules: RequestRules) -> None:
@@ -72,8 +82,8 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs))
 
 
-def chat_inputs(req: ChatCompletionRequest, request_id: str, rules: RequestRules = RequestRules()
-                ) -> list[GenerateInput]:
+def chat_inputs(req: ChatCompletionRequest, request_id: str, rules: RequestRules = RequestRules(),
+                defaults: GenerationDefaults = GenerationDefaults()) -> list[GenerateInput]:
     if len(req.messages) > rules.max_messages:
         raise APIError(400, f"{len(req.messages)} messages; at most {rules.max_messages} are allowed", "messages")
     if req.response_format and req.response_format.get("type") not in (None, "text"):
@@ -83,12 +93,13 @@ def chat_inputs(req: ChatCompletionRequest, request_id: str, rules: RequestRules
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     messages, tools = worker_messages(req.messages), worker_tools(req)
-    return [GenerateInput(f"{request_id}-{j}", _params(req, max_tokens, logprobs, j, rules),
+    return [GenerateInput(f"{request_id}-{j}", _params(req, max_tokens, logprobs, j, rules, defaults),
                           messages=messages, tools=tools) for j in range(req.n)]
 
 
 def completion_inputs(req: CompletionRequest, request_id: str, max_choices: int,
-                      rules: RequestRules = RequestRules()) -> list[GenerateInput]:
+                      rules: RequestRules = RequestRules(),
+                      defaults: GenerationDefaults = GenerationDefaults()) -> list[GenerateInput]:
     """One input per prompt and choice; more than max_choices of them is refused (each is a
     whole generation, counted as such by admission)."""
     if req.suffix:
@@ -104,7 +115,7 @@ def completion_inputs(req: CompletionRequest, request_id: str, max_choices: int,
     inputs = []
     for i, prompt in enumerate(prompts):
         for j in range(req.n):
-            params = _params(req, req.max_tokens, req.logprobs, j, rules)
+            params = _params(req, req.max_tokens, req.logprobs, j, rules, defaults)
             rid = f"{request_id}-{i * req.n + j}"
             if isinstance(prompt, str):
                 inputs.append(GenerateInput(rid, params, text=prompt))
@@ -127,10 +138,11 @@ def _prompts(prompt) -> list:
     return list(prompt)
 
 
-def _params(req, max_tokens: int | None, logprobs: int | None, j: int, rules: RequestRules) -> SamplingParams:
+def _params(req, max_tokens: int | None, logprobs: int | None, j: int, rules: RequestRules,
+            defaults: GenerationDefaults) -> SamplingParams:
     """max_tokens None means up to the context (the worker subtracts the prompt length);
     choice j of n draws from its own seed (seeds.choice_seed) so seeded choices differ."""
     if req.seed is not None and not -2**63 <= req.seed < 2**63:
         raise APIError(400, "seed must fit in 64 bits", "seed")
     seed = None if req.seed is None else choice_seed(req.seed, j)
-    return sampling_params(req, max_tokens, logprobs, seed, rules)
+    return sampling_params(req, max_tokens, logprobs, seed, rules, defaults)

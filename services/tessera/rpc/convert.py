@@ -2,11 +2,14 @@
 except the service entrypoints and the gRPC client."""
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 
 from tessera.config import SamplingParams
 from tessera.disagg.control import ConnectReply, ConnectRequest, ExpertInfo, LinkRefused
 from tessera.draft_api import DraftInfo, DraftRound, RoundRefused
+from tessera.generation_defaults import GenerationDefaults
 from tessera.pipeline.control import StageInfo, StageLink, StageRefused, StageReply
 from tessera.request import RequestTimings, Resume
 from tessera.rpc.v1 import common_pb2, draft_pb2, expert_pb2, pipeline_pb2, worker_pb2
@@ -146,14 +149,19 @@ def info_to_proto(i: WorkerInfo) -> worker_pb2.InfoResponse:
         speculative=i.speculative, spec_verify_rounds=i.spec_verify_rounds, spec_draft_tokens=i.spec_draft_tokens,
         spec_accepted_tokens=i.spec_accepted_tokens, spec_emitted_tokens=i.spec_emitted_tokens,
         prefix_cache_queries=i.prefix_cache_queries, prefix_cache_hits=i.prefix_cache_hits,
-        stage_compute_s=i.stage_compute_s)
+        stage_compute_s=i.stage_compute_s,
+        generation_defaults=worker_pb2.GenerationDefaults(**i.generation_defaults.given()))
 
 
 def info_from_proto(m: worker_pb2.InfoResponse) -> WorkerInfo:
+    d = m.generation_defaults
+    defaults = GenerationDefaults(**{f.name: getattr(d, f.name) for f in dataclasses.fields(GenerationDefaults)
+                                     if d.HasField(f.name)})
     return WorkerInfo(m.model_id, m.max_model_len, m.num_kv_blocks, m.kv_block_size,
                       m.num_free_kv_blocks, m.num_running, m.num_waiting, m.dtype, m.role, m.compat,
                       m.speculative, m.spec_verify_rounds, m.spec_draft_tokens, m.spec_accepted_tokens,
-                      m.spec_emitted_tokens, m.prefix_cache_queries, m.prefix_cache_hits, m.stage_compute_s)
+                      m.spec_emitted_tokens, m.prefix_cache_queries, m.prefix_cache_hits, m.stage_compute_s,
+                      generation_defaults=defaults)
 
 
 # WorkerError <-> gRPC status. The error class travels in the details as "<code>|<param>|<message>".

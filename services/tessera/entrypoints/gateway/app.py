@@ -25,6 +25,7 @@ from tessera import logs
 from tessera.config import SamplingParams
 from tessera.entrypoints.gateway.admission import Admission, AdmissionConfig, Ticket
 from tessera.entrypoints.gateway.responses import chat_body, completion_body
+from tessera.generation_defaults import GenerationDefaults
 from tessera.metrics import GatewayMetrics
 from tessera.openai_api.errors import APIError, error_body, error_response, validation_message
 from tessera.openai_api.params import chat_inputs, completion_inputs
@@ -60,7 +61,7 @@ def create_app(client: WorkerClient, model_name: str, background=(), admission: 
     metrics = GatewayMetrics(model_name)
     app.state.client, app.state.metrics, app.state.admission = client, metrics, admission
     _add_middleware_and_errors(app, metrics, admission, batch.body_limits if batch is not None else {})
-    _add_openai_routes(app, client, metrics, model_name, admission)
+    _add_openai_routes(app, client, metrics, model_name, admission, _Defaults(client))
     if batch is not None:
         app.include_router(batch.router)
     _add_ops_routes(app, client, metrics, admission)
@@ -195,8 +196,25 @@ class _Metered:
         await self.client.abort(request_id)
 
 
+class _Defaults:
+    """The workers' sampling defaults (their Info reply), asked once of the first that answers:
+    the replicas behind one gateway serve one model, started alike. Until one answers, none
+    (a request then fails at the worker anyway)."""
+
+    def __init__(self, client: WorkerClient) -> None:
+        self.client, self.known = client, None
+
+    async def get(self) -> GenerationDefaults:
+        if self.known is None:
+            try:
+                self.known = (await self.client.info(timeout_s=READY_TIMEOUT_S)).generation_defaults
+            except WorkerError:
+                return GenerationDefaults()
+        return self.known
+
+
 def _add_openai_routes(app: FastAPI, client: WorkerClient, metrics: GatewayMetrics, model_name: str,
-                       admission: Admission) -> None:
+                       admission: Admission, defaults: _Defaults) -> None:
     async def check_model(model: str) -> None:
         if model != model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
@@ -210,7 +228,7 @@ def _add_openai_routes(app: FastAPI, client: WorkerClient, metrics: GatewayMetri
     async def chat(body: ChatCompletionRequest, request: Request):
         await check_model(body.model)
         rid = request.state.request_id
-        inputs = chat_inputs(body, rid, admission.rules(getattr(request.state, "api_key", None)))
+        inputs = chat_inputs(body, rid, admission.rules(getattr(request.state, "api_key", None)), await defaults.get())
         shape = StreamShape(f"chatcmpl-{rid}", model_name, True, _usage(body), body.logprobs, body.n)
         choices = await _run(request, inputs, shape if body.stream else None)
         return choices if body.stream else chat_body(rid, model_name, choices, body.logprobs)
@@ -220,7 +238,7 @@ def _add_openai_routes(app: FastAPI, client: WorkerClient, metrics: GatewayMetri
         await check_model(body.model)
         rid = request.state.request_id
         inputs = completion_inputs(body, rid, admission.config.max_choices,
-                                   admission.rules(getattr(request.state, "api_key", None)))
+                                   admission.rules(getattr(request.state, "api_key", None)), await defaults.get())
         logprobs = body.logprobs is not None
         shape = StreamShape(f"cmpl-{rid}", model_name, False, _usage(body), logprobs, body.n)
         choices = await _run(request, inputs, shape if body.stream else None)
