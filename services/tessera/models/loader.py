@@ -91,13 +91,26 @@ def iter_checkpoint(path: pathlib.Path) -> Iterator[tuple[str, Callable[[], torc
         yield from iter_gguf_tensors(path)
         return
     from safetensors import safe_open
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"no *.safetensors in {path}")
-    for file in files:
+    for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 yield name, functools.partial(f.get_tensor, name)
+
+
+def safetensors_files(path: pathlib.Path) -> list[pathlib.Path]:
+    """The shards model.safetensors.index.json names, where there is one: a repository may hold
+    other weights beside them (Mistral's consolidated.safetensors, in its own tensor names)."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (path / n).exists()]
+        if missing:
+            raise ConfigError(f"{index.name} names shards that are not in {path}: {missing[:4]}")
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"no *.safetensors in {path}")
+    return files
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype) -> CausalLM:
