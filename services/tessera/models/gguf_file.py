@@ -4,6 +4,8 @@ to the gguf package. gguf.GGUFReader builds Python objects for every array eleme
 SmolLM2's 49k-token vocabulary); this reads only what we use."""
 from __future__ import annotations
 
+import functools
+import os
 import struct
 from dataclasses import dataclass
 
@@ -57,6 +59,16 @@ class GGUFFile:
         self._pos += n
         return s
 
+    def _strings(self, n: int) -> list[str]:
+        """n strings in one tight loop (a vocabulary and its merges: ~100k of them)."""
+        mv, pos, length, out = self._mv, self._pos, struct.Struct("<Q").unpack_from, []
+        for _ in range(n):
+            (k,) = length(mv, pos)
+            out.append(str(mv[pos + 8:pos + 8 + k], "utf-8", "replace"))
+            pos += 8 + k
+        self._pos = pos
+        return out
+
     def _value(self, vtype: int):
         if vtype == _STRING:
             return self._string()
@@ -67,8 +79,22 @@ class GGUFFile:
                 arr = np.frombuffer(self._buf, dtype=np.dtype(fmt), count=n, offset=self._pos)
                 self._pos += n * arr.itemsize
                 return arr.tolist()
+            if item_type == _STRING:
+                return self._strings(n)
             return [self._value(item_type) for _ in range(n)]
         return self._unpack(_SCALARS[vtype])[0]
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
+    """The parsed file, shared by the config, tensor and tokenizer readers of one load (each
+    parse reads the ~100k vocabulary strings); a file rewritten in place is parsed again."""
+    st = os.stat(path)
+    return _parsed(os.fspath(path), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed(path: str, mtime_ns: int, size: int) -> GGUFFile:
+    return GGUFFile(path)
 
 
 def _nbytes(shape: tuple[int, ...], ggml_type: int) -> int:

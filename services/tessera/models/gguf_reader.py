@@ -1,6 +1,10 @@
-"""GGUF files (llama.cpp's format): model config from metadata, tensors dequantized to float32
-and renamed to Hugging Face names. llama.cpp's converter permutes the rows of q and k into
-an interleaved RoPE layout; we undo that so that the same rotate-half RoPE applies."""
+"""GGUF files (llama.cpp's format): model config from metadata (gguf_metadata), tensors
+dequantized to float32 and renamed to Hugging Face names. llama.cpp's converter changes some
+tensors on the way in; we undo each change so that the model files see HF's weights:
+  - llama and granite: rows of q and k permuted into an interleaved RoPE layout (the other
+    architectures run rotate-half RoPE in llama.cpp too and are stored unpermuted);
+  - Gemma 2 and 3: every norm weight stored as 1 + w (llama.cpp's norm multiplies by w);
+  - Phi-3: gate and up fused into ffn_up, q, k and v into attn_qkv (as in HF's checkpoint)."""
 from __future__ import annotations
 
 import functools
@@ -11,76 +15,92 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from tessera.models.gguf_file import GGUFFile, dequantize
+from tessera.config import ConfigError
+from tessera.models.gguf_file import GGUFFile, dequantize, open_gguf
+from tessera.models.gguf_metadata import hf_config
 from tessera.models.model_config import ModelConfig
 
+_LAYER = r"blk\.(\d+)\."
 _NAMES = [
     (r"token_embd\.weight", "model.embed_tokens.weight"),
     (r"output_norm\.weight", "model.norm.weight"),
     (r"output\.weight", "lm_head.weight"),
-    (r"blk\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
-    (r"blk\.(\d+)\.attn_q\.(weight|bias)", r"model.layers.\1.self_attn.q_proj.\2"),
-    (r"blk\.(\d+)\.attn_k\.(weight|bias)", r"model.layers.\1.self_attn.k_proj.\2"),
-    (r"blk\.(\d+)\.attn_v\.(weight|bias)", r"model.layers.\1.self_attn.v_proj.\2"),
-    (r"blk\.(\d+)\.attn_output\.weight", r"model.layers.\1.self_attn.o_proj.weight"),
-    (r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
-    (r"blk\.(\d+)\.ffn_gate\.weight", r"model.layers.\1.mlp.gate_proj.weight"),
-    (r"blk\.(\d+)\.ffn_up\.weight", r"model.layers.\1.mlp.up_proj.weight"),
-    (r"blk\.(\d+)\.ffn_down\.weight", r"model.layers.\1.mlp.down_proj.weight"),
+    (_LAYER + r"attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
+    (_LAYER + r"attn_q\.(weight|bias)", r"model.layers.\1.self_attn.q_proj.\2"),
+    (_LAYER + r"attn_k\.(weight|bias)", r"model.layers.\1.self_attn.k_proj.\2"),
+    (_LAYER + r"attn_v\.(weight|bias)", r"model.layers.\1.self_attn.v_proj.\2"),
+    (_LAYER + r"attn_qkv\.(weight|bias)", r"model.layers.\1.self_attn.qkv_proj.\2"),
+    (_LAYER + r"attn_output\.(weight|bias)", r"model.layers.\1.self_attn.o_proj.\2"),
+    (_LAYER + r"attn_q_norm\.weight", r"model.layers.\1.self_attn.q_norm.weight"),
+    (_LAYER + r"attn_k_norm\.weight", r"model.layers.\1.self_attn.k_norm.weight"),
+    (_LAYER + r"post_attention_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
+    (_LAYER + r"post_ffw_norm\.weight", r"model.layers.\1.post_feedforward_layernorm.weight"),
+    (_LAYER + r"ffn_gate\.weight", r"model.layers.\1.mlp.gate_proj.weight"),
+    (_LAYER + r"ffn_down\.weight", r"model.layers.\1.mlp.down_proj.weight"),
 ]
+# names whose HF counterpart depends on the architecture
+_FFN_NORM = dict.fromkeys(("gemma2", "gemma3"), "pre_feedforward_layernorm")   # else post_attention_layernorm
+_FFN_UP = {"phi3": "gate_up_proj"}                              # else up_proj
+_PERMUTED = ("llama", "granite")       # q and k rows interleaved by the converter
+_NORM_PLUS_ONE = ("gemma2", "gemma3")  # norms stored as 1 + w
+_SKIPPED = ("rope_freqs.weight",)      # read into the config (Llama 3 rope scaling)
 
 
 def gguf_config(path: pathlib.Path, file: GGUFFile | None = None) -> ModelConfig:
-    file = file or GGUFFile(str(path))
-    meta = file.metadata
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (only llama)")
-    g = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
-    heads = g("attention.head_count")
-    hidden = g("embedding_length")
-    names = {t.name for t in file.tensors}
-    vocab = g("vocab_size") or len(meta["tokenizer.ggml.tokens"])
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        arch="llama", model_type="llama", vocab_size=int(vocab), hidden_size=int(hidden),
-        intermediate_size=int(g("feed_forward_length")), num_layers=int(g("block_count")),
-        num_heads=int(heads), num_kv_heads=int(g("attention.head_count_kv", heads)),
-        head_dim=int(g("rope.dimension_count", hidden // heads)),
-        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(g("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(g("context_length", 4096)),
-        tie_word_embeddings="output.weight" not in names,
-        qkv_bias="blk.0.attn_q.bias" in names,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=(int(eos),) if eos is not None else (),
-    )
+    file = file or open_gguf(path)
+    return ModelConfig.from_hf(hf_config(file.metadata, {t.name: t for t in file.tensors}))
+
+
+def gguf_architecture(file: GGUFFile) -> str:
+    return file.metadata.get("general.architecture", "")
 
 
 def iter_gguf_tensors(path: pathlib.Path) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
-    """(HF name, read) per tensor; read() dequantizes it (and undoes llama.cpp's q/k permute)."""
-    file = GGUFFile(str(path))
-    cfg = gguf_config(path, file)
+    """(HF name, read) per tensor; read() dequantizes it and undoes the converter's changes."""
+    file = open_gguf(path)
+    cfg, arch = gguf_config(path, file), gguf_architecture(file)
     for t in file.tensors:
-        name = _hf_name(t.name)
-        yield name, functools.partial(_read, t, name, cfg)
+        if t.name in _SKIPPED:
+            continue
+        name = _hf_name(t.name, arch)
+        yield name, functools.partial(_read, t, name, cfg, arch)
 
 
-def _read(t, name: str, cfg: ModelConfig) -> torch.Tensor:
+def _read(t, name: str, cfg: ModelConfig, arch: str) -> torch.Tensor:
     tensor = torch.from_numpy(np.array(dequantize(t), dtype=np.float32))
-    if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
-        tensor = _unpermute(tensor, cfg.num_heads)
-    elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
-        tensor = _unpermute(tensor, cfg.num_kv_heads)
+    if arch in _PERMUTED:
+        heads = rope_heads(name, cfg)
+        if heads is not None:
+            tensor = _unpermute(tensor, heads)
+    if arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
+        tensor = tensor - 1.0
     return tensor
 
 
-def _hf_name(name: str) -> str:
+def rope_heads(hf_name: str, cfg: ModelConfig) -> int | None:
+    """How many heads a permuted q or k tensor holds (None: not one of them)."""
+    if re.search(r"q_proj\.(weight|bias)$", hf_name):
+        return cfg.num_heads
+    if re.search(r"k_proj\.(weight|bias)$", hf_name):
+        return cfg.num_kv_heads
+    return None
+
+
+def is_permuted(arch: str) -> bool:
+    return arch in _PERMUTED
+
+
+def _hf_name(name: str, arch: str = "llama") -> str:
+    m = re.fullmatch(_LAYER + r"(ffn_norm|ffn_up)\.weight", name)
+    if m:
+        hf = (_FFN_NORM.get(arch, "post_attention_layernorm") if m[2] == "ffn_norm"
+              else "mlp." + _FFN_UP.get(arch, "up_proj"))
+        return f"model.layers.{m[1]}.{hf}.weight"
     for pattern, target in _NAMES:
         m = re.fullmatch(pattern, name)
         if m:
             return m.expand(target)
-    raise KeyError(f"unexpected GGUF tensor {name}")
+    raise ConfigError(f"unexpected GGUF tensor {name} (a variant of the architecture that Tessera does not implement)")
 
 
 def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:

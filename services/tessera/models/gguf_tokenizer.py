@@ -16,9 +16,9 @@ _CONTROL = 3
 def gguf_tokenizer(path: pathlib.Path) -> PreTrainedTokenizerFast:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    from tessera.models.gguf_file import GGUFFile
+    from tessera.models.gguf_file import open_gguf
 
-    meta = GGUFFile(str(path)).metadata
+    meta = open_gguf(path).metadata
     if meta.get("tokenizer.ggml.model") != "gpt2":
         raise ValueError(f"GGUF tokenizer {meta.get('tokenizer.ggml.model')!r} is not supported (gpt2 only)")
     tokens = meta["tokenizer.ggml.tokens"]
