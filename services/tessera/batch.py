@@ -50,6 +50,7 @@ class ForwardBatch:
     causal_token_idx: torch.Tensor | None = None    # [R] int64 ascending: decode and prompt-chunk tokens
     causal_block_tables: torch.Tensor | None = None  # [R, W'] int64: each row's request's blocks
     causal_context_lens: torch.Tensor | None = None  # [R] int64: tokens each row attends to
+    prompt_lens: torch.Tensor | None = None  # [T] int64: each token's request's prompt length (layers/rope.py)
 
     @property
     def num_tokens(self) -> int:
@@ -70,10 +71,13 @@ def build_forward_batch(plan: StepPlan, block_size: int) -> ForwardBatch:
     causal_tables: list[tuple[int, ...]] = []   # one per request, repeated over its rows below
     causal_counts: list[int] = []
     causal_ends: list[int] = []                 # each request's longest row
+    prompt_lens: list[int] = []
     for entry in plan.scheduled:
         start = len(input_ids)
         n = len(entry.token_ids)
         input_ids.extend(entry.token_ids)
+        # unknown (a plan made by hand): a chunk is taken to end its prompt
+        prompt_lens.extend([entry.prompt_len or entry.start_pos + n] * n)
         table = entry.block_table
         for pos in range(entry.start_pos, entry.start_pos + n):
             positions.append(pos)
@@ -113,6 +117,7 @@ def build_forward_batch(plan: StepPlan, block_size: int) -> ForwardBatch:
         causal_token_idx=torch.tensor(causal_idx, dtype=torch.long),
         causal_block_tables=request_tables.repeat_interleave(torch.tensor(causal_counts, dtype=torch.long), dim=0),
         causal_context_lens=torch.tensor(causal_lens, dtype=torch.long),
+        prompt_lens=torch.tensor(prompt_lens, dtype=torch.long),
     )
 
 

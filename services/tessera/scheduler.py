@@ -28,6 +28,7 @@ class ScheduledRequest:
     block_table: tuple[int, ...]
     sample: bool                   # True when this chunk reaches the end of the request
     tree_parents: tuple[int, ...] = ()  # a draft tree after token_ids[0]: see spec/tree.Draft
+    prompt_len: int = 0            # the request's prompt tokens (RoPE scaling that depends on them); 0: unknown
 
 
 @dataclass(frozen=True)
@@ -161,13 +162,15 @@ class Scheduler:
         tokens = tuple(request.all_token_ids[start:start + n])
         if draft is not None and n == 1 + len(draft):
             return ScheduledRequest(request.request_id, tokens[:1] + draft.tokens, start,
-                                    tuple(self.kv.block_tables[request.request_id]), True, draft.parents)
+                                    tuple(self.kv.block_tables[request.request_id]), True, draft.parents,
+                                    request.num_prompt_tokens)
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=tokens,
             start_pos=start,
             block_table=tuple(self.kv.block_tables[request.request_id]),
             sample=start + n == request.num_tokens,
+            prompt_len=request.num_prompt_tokens,
         )
 
     def on_step_done(self, plan: StepPlan) -> None:

@@ -5,7 +5,8 @@ A step whose every token attends as a causal row of the paged-attention kernel (
 and the tokens of prompt chunks in steps of at most MAX_TOKENS tokens; not a draft tree's)
 makes the same C kernel calls with the same shapes as any other step of as many rows: the
 rows are the tokens, whichever requests they belong to, and what changes is the values in a
-few inputs: the hidden states out of the embedding, RoPE's cos and sin of the positions, the
+few inputs: the hidden states out of the embedding, RoPE's cos and sin of the positions (made
+before the calls, so that RoPE scaling that depends on the prompt's length is replayed too), the
 slots the new K/V go to, each row's block table and context length. Those inputs live in
 buffers of StepGraphs' own (Inputs); once per row count T a step runs through the layer
 driver while tessera_kernels.replay records its calls, and later steps of T rows copy their
@@ -96,7 +97,7 @@ class Inputs:
         T = batch.num_tokens
         x = self.x[:rows]
         x[:T].copy_(model.embed_tokens(batch.input_ids))
-        cos, sin = model.rope(batch.positions, x.dtype)
+        cos, sin = model.rope(batch.positions, x.dtype, batch.prompt_lens)
         self.cos[:T].copy_(cos)
         self.sin[:T].copy_(sin)
         self.slots[:T].copy_(batch.slot_mapping)

@@ -32,10 +32,11 @@ def layer_steps(model: CausalLM, x: torch.Tensor, batch: ForwardBatch, kv_caches
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> LayerSteps:
     """Run `layers` on hidden states x [T, H]: yields (layer, ffn_in) at each FFN, expects that
     FFN's compute output to be sent back, and returns the hidden states after the last layer.
-    positions default to batch.positions; masks: see layers/attention.paged_attention; rope:
-    the positions' (cos, sin) when the caller has them already (step_graph.py)."""
+    positions default to batch.positions (RoPE scaling that depends on the prompt's length
+    takes it from batch.prompt_lens); masks: see layers/attention.paged_attention; rope: the
+    positions' (cos, sin) when the caller has them already (step_graph.py)."""
     if rope is None:
-        rope = model.rope(batch.positions if positions is None else positions, x.dtype)
+        rope = model.rope(batch.positions if positions is None else positions, x.dtype, batch.prompt_lens)
     for l in layers:
         layer = model.layers[l]
         h = residual_add(x, layer.attn(x, batch, kv_caches[l], rope, masks))

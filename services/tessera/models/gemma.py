@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from tessera.config import ConfigError
 from tessera.layers.mlp import GeGLU
 from tessera.layers.norm import GemmaRMSNorm
 from tessera.layers.residual import residual_add
@@ -57,6 +58,9 @@ class GemmaForCausalLM(CausalLM):
         self.embed_tokens.scale = cfg.hidden_size ** 0.5
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.local_rope_theta:   # one lookup per step serves both kinds of layer
+            if cfg.rope_depends_on_prompt:
+                raise ConfigError("RoPE scaling that depends on the sequence length (dynamic, longrope) "
+                                  "on the full-attention layers of a model with local RoPE is not supported")
             local = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta)
             self.rope.cos = torch.cat((self.rope.cos, local.cos), dim=-1)
             self.rope.sin = torch.cat((self.rope.sin, local.sin), dim=-1)

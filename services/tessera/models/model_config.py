@@ -21,10 +21,10 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen_moe",
 }
 
-# rope types layers/rope.py computes. "dynamic" and "longrope" are refused: transformers picks
-# their frequencies from the longest position of each forward call, so a token's rotation would
-# depend on how the engine happened to batch it.
-SCALED_ROPE_TYPES = ("linear", "llama3", "yarn")
+# rope types layers/rope.py computes. "dynamic" and "longrope" depend on the sequence length
+# (transformers: of each forward call; here: of the token's request, see layers/rope.py).
+SCALED_ROPE_TYPES = ("linear", "llama3", "yarn", "dynamic", "longrope")
+LENGTH_DEPENDENT = ("dynamic", "longrope")   # as layers/rope.py's, named here without importing torch
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,12 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
 
+    @property
+    def rope_depends_on_prompt(self) -> bool:
+        """Whether a token's rotation depends on its request's prompt length (then the KV of
+        one prompt's tokens is not another's: no prefix caching)."""
+        return dict(self.rope_scaling).get("rope_type") in LENGTH_DEPENDENT
+
     def window(self, layer: int) -> int:
         """Layer `layer`'s sliding window: a query at position p sees keys k with p - k < window."""
         return self.layer_windows[layer] if self.layer_windows else 0
@@ -110,7 +116,7 @@ class ModelConfig:
             rope_scaling=_rope_scaling(cfg),
             local_rope_theta=local_theta,
             layer_windows=_layer_windows(cfg),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            max_position_embeddings=_max_positions(cfg),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             qkv_bias=bool(cfg.get("qkv_bias", cfg.get("attention_bias", False))
                           or model_type in ("qwen2", "qwen2_moe")),
@@ -154,12 +160,29 @@ def _rope_scaling(cfg: dict) -> tuple[tuple[str, object], ...]:
     scaling.pop("rope_theta", None)
     if kind in ("default", None):
         return ()
+    kind = "longrope" if kind == "su" else kind     # LongRoPE's first name (Phi-3 128k's early configs)
     if kind not in SCALED_ROPE_TYPES:
         raise ConfigError(f"rope type {kind!r} is not supported (supported: default, {', '.join(SCALED_ROPE_TYPES)})")
+    if kind == "dynamic":       # transformers: the original length is max_position_embeddings itself
+        scaling["original_max_position_embeddings"] = cfg.get("max_position_embeddings", 4096)
+    elif kind == "longrope":    # Phi-3 writes it beside rope_scaling; that one wins, as in transformers
+        scaling["original_max_position_embeddings"] = cfg.get(
+            "original_max_position_embeddings",
+            scaling.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 4096)))
     if scaling.get("factor") is None and "original_max_position_embeddings" in scaling:
         scaling["factor"] = cfg["max_position_embeddings"] / scaling["original_max_position_embeddings"]
     return (("rope_type", kind),) + tuple(
         (k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(scaling.items()))
+
+
+def _max_positions(cfg: dict) -> int:
+    """The longest sequence: max_position_embeddings, which dynamic NTK scaling extends by its
+    factor (its frequencies adapt past max_position_embeddings, the length trained on)."""
+    n = cfg.get("max_position_embeddings", 4096)
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if rope.get("rope_type", rope.get("type")) == "dynamic":
+        return int(n * float(rope["factor"]))
+    return n
 
 
 def _layer_windows(cfg: dict) -> tuple[int, ...]:

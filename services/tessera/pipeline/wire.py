@@ -3,7 +3,7 @@ next stage builds the same ForwardBatch: positions, KV slots from the block tabl
 its hidden states, as one uint8 message on the M2N transport:
 
     int64 words   MAGIC, m, entries E, tokens T, hidden H, dtype code,
-                  per entry: tokens, start_pos, sample, block table length, tree length,
+                  per entry: tokens, start_pos, sample, block table length, tree length, prompt length,
                   then every entry's token ids, then block tables, then tree parents
     then          the hidden states [T, H] in the model's dtype
 
@@ -19,14 +19,14 @@ from tessera.scheduler import ScheduledRequest, StepPlan
 from tessera.transport.base import DTYPE_CODES, DTYPES, TransportError
 
 MAGIC = 0x5450_4950   # "PIPT"
-HEAD, PER_ENTRY = 6, 5
+HEAD, PER_ENTRY = 6, 6
 
 
 def encode_step(plan: StepPlan, hidden: torch.Tensor, micro_batches: int) -> torch.Tensor:
     entries = plan.scheduled
     words = [MAGIC, micro_batches, len(entries), hidden.shape[0], hidden.shape[1], DTYPE_CODES[hidden.dtype]]
     for e in entries:
-        words += [len(e.token_ids), e.start_pos, int(e.sample), len(e.block_table), len(e.tree_parents)]
+        words += [len(e.token_ids), e.start_pos, int(e.sample), len(e.block_table), len(e.tree_parents), e.prompt_len]
     for field in ("token_ids", "block_table", "tree_parents"):
         for e in entries:
             words.extend(getattr(e, field))
@@ -67,7 +67,7 @@ def decode_step(message: torch.Tensor, hidden_size: int, dtype: torch.dtype,
 def _entries(per: list[list[int]], body: list[int], lengths: list[int]):
     ids, tables, trees = body[:lengths[0]], body[lengths[0]:lengths[0] + lengths[1]], body[lengths[0] + lengths[1]:]
     i = t = r = 0
-    for n, start_pos, sample, table_len, tree_len in per:
+    for n, start_pos, sample, table_len, tree_len, prompt_len in per:
         yield ScheduledRequest("", tuple(ids[i:i + n]), start_pos, tuple(tables[t:t + table_len]), bool(sample),
-                               tuple(trees[r:r + tree_len]))
+                               tuple(trees[r:r + tree_len]), prompt_len)
         i, t, r = i + n, t + table_len, r + tree_len
