@@ -103,7 +103,11 @@ class Engine:
         cache = config.cache
         per_block = kv_bytes_per_block(self.model_config, cache.block_size, self.dtype)
         num_blocks = cache.num_blocks or max(1, int(cache.kv_cache_gib * 2**30 // per_block))
-        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        prefix_caching = cache.enable_prefix_caching and not self.model_config.rope_depends_on_prompt
+        if prefix_caching != cache.enable_prefix_caching:
+            log.info("prefix caching off: this model's RoPE scaling rotates each token by its request's "
+                     "prompt length, so one prompt's KV blocks are not another's")
+        self.kv = KVCacheManager(num_blocks, cache.block_size, prefix_caching)
         self._reset_prefix_cache = False
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = make_runner(model, num_blocks, cache.block_size)
