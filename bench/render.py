@@ -27,6 +27,9 @@ PAGES = {
                "serve` (random prompts, `ignore_eos`, greedy), beside vLLM's CPU build and other servers on the same "
                "machine in the same hour. Output tokens/s counts every output token over the wall time; TTFT is send "
                "to first token, TPOT (end to end − TTFT) / (tokens − 1) per request.", ("served",)),
+    "structured": ("Structured outputs", "The grammar libraries compared on what constrained decoding costs "
+                   "(`bench/grammar_libraries.py`: JSON Schema compile time, the mask of a 64-row batch per step, "
+                   "which keywords each enforces, refuses or ignores).", ("grammar",)),
     "engine": ("Engine and kernels", "The engine without HTTP (`tessera bench engine`), single kernels against "
                "their references, and where a step's time goes.",
                ("engine", "kernel", "linears", "step", "prefill", "dtype", "agreement")),
@@ -50,11 +53,12 @@ HEADINGS = {"engine": "Offline engine", "kernel": "Kernels against their referen
             "agreement": "Agreement with vLLM's engine", "afd": "Attention–FFN disaggregation",
             "m2n": "M2N transport", "pq": "Plans: predicted against measured", "pq-error": "Cost-model error",
             "pq-indicator": "Quantization-sensitivity indicator", "chaos": "Faults under load",
-            "tls": "What mutual TLS costs"}
+            "tls": "What mutual TLS costs", "grammar": "Grammar libraries"}
 # the columns a benchmark's table starts with (the rest follow in the order they first appear)
 FIRST = {
     "served": ("server", "dtype", "quantization", "num_prompts", "concurrency", "input_len", "output_len",
                "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"),
+    "grammar": ("library", "version", "compile_ms_median", "mask_ms_per_step_median", "batch"),
     "engine": ("batch_size", "input_len", "output_len", "dtype", "tok_s", "reference", "reference_tok_s"),
     "kernel": ("kernel", "shape", "dtype", "tessera_us", "reference", "reference_us"),
     "spec": ("prompt_kind", "mode", "draft", "target", "baseline_tok_s", "spec_tok_s", "speedup", "mean_accepted"),

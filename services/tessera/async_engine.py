@@ -21,7 +21,7 @@ import time
 from dataclasses import replace
 from typing import AsyncIterator, Callable
 
-from tessera.config import ConfigError
+from tessera.config import ConfigError, StructuredOutput
 from tessera.engine import ContextLengthError, Engine, QueueFull, RequestOutput
 from tessera.processor import Processor
 from tessera.transport.base import TransportError
@@ -81,6 +81,8 @@ class AsyncEngine:
         rid = request.request_id
         if rid in self._streams:
             raise InvalidRequest(f"request id {rid} is already running", "request_id")
+        if request.sampling.structured is not None:
+            await self._compile(request.sampling.structured)
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), q)
         self._pending += 1
@@ -101,6 +103,20 @@ class AsyncEngine:
             self._streams.pop(rid, None)
             if not finished:
                 self._send(("abort", rid))
+
+    async def _compile(self, spec: StructuredOutput) -> None:
+        """Compile a structured output's grammar into the engine's cache in a thread, within
+        its time limit: neither the engine loop nor this event loop waits on a slow schema (the
+        engine thread then finds it cached). The tokenizer's index, built once, is not timed."""
+        grammars = self.engine.grammars
+        await asyncio.to_thread(lambda: grammars.ll_tokenizer)
+        limit = grammars.limits.compile_timeout_s
+        try:
+            await asyncio.wait_for(asyncio.to_thread(grammars.compile, spec), limit)
+        except asyncio.TimeoutError:
+            raise InvalidRequest(f"the structured output took more than {limit:g} s to compile", spec.param) from None
+        except ConfigError as e:
+            raise InvalidRequest(str(e), e.param) from None
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))

@@ -23,6 +23,26 @@ class ConfigError(ValueError):
         self.param = param
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must match (structured/grammars.py compiles it): kind "json" (value: a
+    JSON Schema as JSON text), "json_object" (any JSON object; value unused), "regex", "choice"
+    (value: a JSON list of strings) or "grammar" (a Lark grammar, llguidance's syntax). param:
+    the request field it came from, named by the error a bad one gets."""
+
+    kind: str
+    value: str = ""
+    param: str = "response_format"
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ConfigError(f"structured output kind {self.kind!r} is not one of {', '.join(STRUCTURED_KINDS)}",
+                              self.param)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling; a temperature below SAMPLING_EPS (0 included) means greedy, as
@@ -51,6 +71,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100]) pairs
     cache_salt: str | None = None   # prefix-cache namespace: different salts never share KV blocks
+    structured: StructuredOutput | None = None   # a grammar the output must match (masked decoding)
 
     def __post_init__(self) -> None:
         """Everything that can be checked without the model; the worker checks token ids

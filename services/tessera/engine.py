@@ -27,6 +27,8 @@ from tessera.spec.acceptance import accept
 from tessera.spec.proposer import Proposer, make_proposer
 from tessera.spec.stats import SpecStats
 from tessera.spec.tree import Draft
+from tessera.structured import masks
+from tessera.structured.grammars import Grammars
 from tessera_kernels import cbuild, tile_linear
 
 log = logging.getLogger("tessera.engine")
@@ -116,6 +118,7 @@ class Engine:
                                     config.scheduler.max_num_batched_tokens, config.replay_check_every)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
             {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+        self.grammars = Grammars(tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._default_generator = torch.Generator().manual_seed(0)
         self._ids = itertools.count()
@@ -159,8 +162,9 @@ class Engine:
             raise QueueFull("the worker's queue is full; retry later")
         if request_id in self.scheduler.requests:
             raise ConfigError(f"request id {request_id} is already running", "request_id")
+        grammar = self._grammar(sampling, resume)
         request = Request(request_id, list(prompt_token_ids), sampling, self.eos_token_ids,
-                          output_token_ids=list(resume.output_token_ids))
+                          output_token_ids=list(resume.output_token_ids), grammar=grammar)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.scheduler.add(request)
@@ -177,6 +181,16 @@ class Engine:
                           ("prompt", resume.output_token_ids)):
             if any(not 0 <= t < vocab for t in ids):
                 raise ConfigError(f"{name}: token ids must be in [0, {vocab}) for this model", name)
+
+    def _grammar(self, sampling: SamplingParams, resume: Resume):
+        """A structured output's matcher, advanced past what a failed-over request had generated."""
+        if sampling.structured is None:
+            return None
+        grammar = self.grammars.matcher(sampling.structured)
+        if resume.output_token_ids and not grammar.consume_tokens(list(resume.output_token_ids)):
+            raise ConfigError("resume: the tokens already generated do not follow the structured output",
+                              sampling.structured.param)
+        return grammar
 
     def resolve(self, num_tokens: int, sampling: SamplingParams) -> SamplingParams:
         """The request's sampling with max_tokens=None made concrete: as much as both the
@@ -344,11 +358,14 @@ class Engine:
             sp = r.sampling
             early = r.num_output_tokens < sp.min_tokens
             banned.append(tuple(sp.stop_token_ids) + tuple(self.eos_token_ids) if early else ())
+        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
         return SamplingBatch(
             params=[r.sampling for r in requests],
             output_ids=[r.output_token_ids for r in requests],
             prompt_ids=[r.prompt_token_ids for r in requests],
-            banned_ids=banned)
+            banned_ids=banned, grammar_rows=rows,
+            grammar_mask=masks.fill([requests[i].grammar for i in rows], self.model_config.vocab_size)
+            if rows else None)
 
     def _postprocess(self, request: Request, row: int, result: SampleResult) -> RequestOutput:
         """Row `row` of a sample as the request's next token (detokenized, stop-checked, with
@@ -363,6 +380,11 @@ class Engine:
         request.append_output(token)
         detok = self._detok[request.request_id]
         status = RequestStatus.FINISHED_STOPPED if detok.append(token) else request.check_stop_token()
+        if request.grammar is not None and status is None:
+            if not request.grammar.consume_token(token):
+                raise RuntimeError(f"the structured output refused token {token}: {request.grammar.get_error()}")
+            if request.grammar.is_stopped():    # nothing may follow: done without waiting for EOS
+                status = RequestStatus.FINISHED_STOPPED
         logprobs = []
         if request.sampling.logprobs is not None:
             k = request.sampling.logprobs

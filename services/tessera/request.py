@@ -69,6 +69,7 @@ class Request:
     rejected_tokens: int = 0
     scheduled_time: float | None = None     # first moved to RUNNING (a preemption keeps it)
     first_token_time: float | None = None   # this worker's first output token
+    grammar: object | None = None       # its structured output's matcher (llguidance), fed every token
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

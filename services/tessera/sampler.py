@@ -1,19 +1,21 @@
 """Sampling as a pure function of (logits, SamplingBatch): same inputs, same tokens.
 
-Order: logprobs of the raw logits (what OpenAI clients see, as in vLLM) -> penalties ->
-logit_bias -> min_tokens masking -> greedy argmax, or temperature -> top_k -> top_p -> min_p
+Order: logprobs of the raw logits (what OpenAI clients see, as in vLLM; before any grammar
+mask) -> penalties -> logit_bias -> the structured-output mask -> min_tokens masking (unless
+the grammar allows nothing else) -> greedy argmax, or temperature -> top_k -> top_p -> min_p
 -> a draw by the exponential race argmax(p / E), E ~ Exp(1). A request with a seed draws E
 from a generator seeded by (seed, output position) (seeds.py), so its tokens depend neither on
 what else is in the batch nor on which replica or step produced the earlier tokens.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from tessera.config import SamplingParams
 from tessera.seeds import draw_seed
+from tessera.structured import masks
 from tessera_kernels.argmax_cpu import argmax_rows
 
 
@@ -23,6 +25,8 @@ class SamplingBatch:
     output_ids: list[list[int]]          # tokens generated so far, per row
     prompt_ids: list[list[int]]          # for the repetition penalty
     banned_ids: list[tuple[int, ...]]    # ids masked this step (EOS/stop ids before min_tokens)
+    grammar_rows: list[int] = field(default_factory=list)   # rows a structured output constrains
+    grammar_mask: torch.Tensor | None = None     # their allowed ids (structured/masks.py), one row each
 
 
 @dataclass
@@ -45,9 +49,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
         if p.logit_bias:
             ids, bias = zip(*p.logit_bias)
             logits[row, list(ids)] += torch.tensor(bias)
+    if batch.grammar_rows:
+        masks.apply(logits, batch.grammar_rows, batch.grammar_mask)
     for row, banned in enumerate(batch.banned_ids):
         if banned:
+            kept = logits[row, list(banned)].clone()
             logits[row, list(banned)] = float("-inf")
+            if row in batch.grammar_rows and not torch.isfinite(logits[row]).any():
+                logits[row, list(banned)] = kept    # the grammar is complete: min_tokens yields to it
     tokens = argmax_rows(logits)
     random_rows = [i for i, p in enumerate(batch.params) if not p.greedy]
     if random_rows:
@@ -64,7 +73,7 @@ def _edits_logits(batch: SamplingBatch) -> bool:
     """Whether a penalty, a logit_bias or a banned id writes into the logits (a copy of
     [batch, vocab] floats is then made first; greedy and plain sampling make none)."""
     return any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty or p.logit_bias
-               for p in batch.params) or any(batch.banned_ids)
+               for p in batch.params) or any(batch.banned_ids) or bool(batch.grammar_rows)
 
 
 def _generator(batch: SamplingBatch, row: int) -> torch.Generator | None:

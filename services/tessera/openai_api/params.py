@@ -10,6 +10,7 @@ from tessera.generation_defaults import GenerationDefaults
 from tessera.openai_api.chat_messages import worker_messages, worker_tools
 from tessera.openai_api.errors import APIError
 from tessera.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from tessera.openai_api.structured import structured_output
 from tessera.seeds import choice_seed
 from tessera.worker_api import GenerateInput
 
@@ -56,7 +57,8 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: 
             max_tokens=_first(max_tokens, defaults.max_tokens, None), min_tokens=req.min_tokens,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
-            logit_bias=_logit_bias(req.logit_bias), cache_salt=cache_salt(rules.tenant, req.cache_salt))
+            logit_bias=_logit_bias(req.logit_bias), cache_salt=cache_salt(rules.tenant, req.cache_salt),
+            structured=structured_output(req))
     except ConfigError as e:
         raise APIError(400, str(e), param=e.param) from e
 
@@ -86,8 +88,6 @@ def chat_inputs(req: ChatCompletionRequest, request_id: str, rules: RequestRules
                 defaults: GenerationDefaults = GenerationDefaults()) -> list[GenerateInput]:
     if len(req.messages) > rules.max_messages:
         raise APIError(400, f"{len(req.messages)} messages; at most {rules.max_messages} are allowed", "messages")
-    if req.response_format and req.response_format.get("type") not in (None, "text"):
-        raise APIError(400, "only response_format {\"type\": \"text\"} is supported", "response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
     max_tokens = req.max_completion_tokens or req.max_tokens

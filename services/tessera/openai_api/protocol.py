@@ -123,6 +123,8 @@ class SamplingFields(BaseModel):
     # vLLM's: requests with different salts never share prefix-cache blocks (nor learn, from
     # usage.prompt_tokens_details.cached_tokens, what the other sent)
     cache_salt: Annotated[StrictStr, Field(min_length=1), AfterValidator(_unicode)] | None = None
+    # vLLM's: exactly one of json (a schema), regex, choice, grammar (Lark), json_object
+    structured_outputs: dict | None = None
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:

@@ -6,7 +6,7 @@ import dataclasses
 
 import grpc
 
-from tessera.config import SamplingParams
+from tessera.config import SamplingParams, StructuredOutput
 from tessera.disagg.control import ConnectReply, ConnectRequest, ExpertInfo, LinkRefused
 from tessera.draft_api import DraftInfo, DraftRound, RoundRefused
 from tessera.generation_defaults import GenerationDefaults
@@ -30,6 +30,9 @@ def sampling_to_proto(sp: SamplingParams) -> common_pb2.SamplingParams:
         cache_salt=sp.cache_salt or "")
     if sp.seed is not None:
         msg.seed = sp.seed
+    if sp.structured is not None:
+        msg.structured.CopyFrom(common_pb2.StructuredOutput(
+            kind=sp.structured.kind, value=sp.structured.value, param=sp.structured.param))
     return msg
 
 
@@ -43,7 +46,9 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         min_tokens=msg.min_tokens, ignore_eos=msg.ignore_eos,
         logprobs=None if msg.logprobs < 0 else msg.logprobs,
         include_stop_str_in_output=msg.include_stop_str_in_output,
-        logit_bias=tuple(sorted(msg.logit_bias.items())), cache_salt=msg.cache_salt or None)
+        logit_bias=tuple(sorted(msg.logit_bias.items())), cache_salt=msg.cache_salt or None,
+        structured=StructuredOutput(msg.structured.kind, msg.structured.value, msg.structured.param or
+                                    "response_format") if msg.HasField("structured") else None)
 
 
 def generate_request_to_proto(req: GenerateInput) -> worker_pb2.GenerateRequest:

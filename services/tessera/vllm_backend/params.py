@@ -10,6 +10,7 @@ logit_bias or stop_token_ids) comes back as its VLLMValidationError, a 400 namin
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 
 from tessera.config import SamplingParams
@@ -72,7 +73,22 @@ def to_vllm(s: SamplingParams, done: int = 0):
         repetition_penalty=s.repetition_penalty, seed=seed, stop_token_ids=list(s.stop_token_ids),
         ignore_eos=s.ignore_eos, max_tokens=s.max_tokens - done, min_tokens=max(0, s.min_tokens - done),
         logprobs=s.logprobs, logit_bias=dict(s.logit_bias) or None,
-        output_kind=RequestOutputKind.DELTA, detokenize=False)
+        output_kind=RequestOutputKind.DELTA, detokenize=False, **_structured(s, done))
+
+
+def _structured(s: SamplingParams, done: int) -> dict:
+    """The structured output as vLLM's StructuredOutputsParams (its grammar backend compiles it;
+    Lark grammars need its guidance backend). A resumed constrained stream is refused: vLLM
+    would start the grammar over at the tokens the first worker generated."""
+    if s.structured is None:
+        return {}
+    if done:
+        raise InvalidRequest("a structured output cannot be resumed on the vLLM engine", s.structured.param)
+    from vllm.sampling_params import StructuredOutputsParams
+    kind, value = s.structured.kind, s.structured.value
+    args = {"json": {"json": value}, "json_object": {"json_object": True}, "regex": {"regex": value},
+            "choice": {"choice": json.loads(value) if value else []}, "grammar": {"grammar": value}}[kind]
+    return {"structured_outputs": StructuredOutputsParams(**args)}
 
 
 def vllm_prompt(token_ids: list[int], s: SamplingParams):
