@@ -17,7 +17,7 @@ from torch import nn
 
 from tessera.layers.quant import Int4Linear, QuantCodes, layer_linears, replace_module
 from tessera.models.gguf_file import GGUFFile, GGUFTensor
-from tessera.models.gguf_reader import _hf_name, _unpermute, gguf_config
+from tessera.models.gguf_reader import _hf_name, _unpermute, gguf_architecture, gguf_config, is_permuted, rope_heads
 from tessera.models.llama import CausalLM, match_rules
 
 Q4_0, Q4_1 = 2, 3
@@ -42,13 +42,13 @@ def load_gguf_quantized(model: CausalLM, path: pathlib.Path) -> int:
     swap in Int4Linear; return how many linears were built so. The caller then loads the other
     tensors densely (load_weights skips the swapped linears' weights: they are no longer params)."""
     file = GGUFFile(str(path))
-    cfg = gguf_config(path, file)
+    cfg, arch = gguf_config(path, file), gguf_architecture(file)
     targets = {f"layers.{l}.{name}.weight": linear for l, layer in enumerate(model.layers)
                for name, linear in layer_linears(layer)}
     rows = {name: torch.arange(lin.out_features) for name, lin in targets.items()}
     parts: dict[str, list[tuple[torch.Tensor, GGUFTensor]]] = {}
     for t in file.tensors:
-        found = match_rules(rows, _hf_name(t.name), model.weight_rules()) if t.name.startswith("blk.") else None
+        found = match_rules(rows, _hf_name(t.name, arch), model.weight_rules()) if t.name.startswith("blk.") else None
         if found is not None:
             parts.setdefault(found[0], []).append((found[1], t))
     built = 0
@@ -57,29 +57,22 @@ def load_gguf_quantized(model: CausalLM, path: pathlib.Path) -> int:
         covered = sum(len(idx) for idx, _ in pieces)
         if covered != linear.out_features or any(t.ggml_type not in (Q4_0, Q4_1) for _, t in pieces):
             continue
-        replace_module(model, name.removesuffix(".weight"), Int4Linear.from_codes(_assemble(linear, pieces, cfg), linear.bias))
+        codes = _assemble(linear, pieces, cfg, arch)
+        replace_module(model, name.removesuffix(".weight"), Int4Linear.from_codes(codes, linear.bias))
         built += 1
     return built
 
 
-def _assemble(linear: nn.Linear, pieces, cfg) -> QuantCodes:
+def _assemble(linear: nn.Linear, pieces, cfg, arch: str) -> QuantCodes:
     n, k = linear.out_features, linear.in_features
     codes = torch.empty(n, k, dtype=torch.uint8)
     scale, offset = torch.empty(n, k // GROUP), torch.empty(n, k // GROUP)
     for idx, t in pieces:
         q = q4_codes(t)
-        heads = _rope_heads(_hf_name(t.name), cfg)
+        # llama.cpp permutes the rows of q and k for some architectures (gguf_reader undoes it densely)
+        heads = rope_heads(_hf_name(t.name, arch), cfg) if is_permuted(arch) else None
         c, s, o = (q.codes, q.scale, q.offset) if heads is None else (
             _unpermute(q.codes, heads), _unpermute(q.scale, heads), _unpermute(q.offset, heads))
         codes[idx], scale[idx], offset[idx] = c, s, o
     return QuantCodes(codes, scale, offset, GROUP)
-
-
-def _rope_heads(hf_name: str, cfg) -> int | None:
-    """llama.cpp permutes the rows of q and k (gguf_reader undoes it for dense tensors)."""
-    if hf_name.endswith("q_proj.weight"):
-        return cfg.num_heads
-    if hf_name.endswith("k_proj.weight"):
-        return cfg.num_kv_heads
-    return None
 
