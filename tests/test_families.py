@@ -270,18 +270,3 @@ def test_monolithic_equals_speculative_pipeline_and_afd(checkpoints, family):
         afd.runner.stop_experts()
         for w in workers:
             w.join()
-
-
-def test_served_by_tessera_serve_with_the_openai_client(checkpoints):
-    """What a user runs: `tessera serve --model DIR` on the checkpoint as transformers saved
-    it, the openai client's greedy completion of a prompt longer than Mistral's window."""
-    import openai
-    from servers import tessera_serve
-    from tessera.tokenizer import load_tokenizer
-    path = checkpoints("mistral")
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    expected = load_tokenizer(path).decode(hf_greedy(ref, PROMPT), skip_special_tokens=True)
-    with tessera_serve("--model", path, "--dtype", "float32", "--threads", "1", "--served-model-name", "tiny") as url:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0)
-    assert r.usage.completion_tokens == NEW_TOKENS and r.choices[0].text == expected
