@@ -32,7 +32,8 @@ def _run(response: bytes) -> dict:
     async def go():
         server, url = await _serve(response)
         async with server:
-            a = types.SimpleNamespace(base_url=url, output_len=2, no_ignore_eos=False, endpoint="completions")
+            a = types.SimpleNamespace(base_url=url, output_len=2, no_ignore_eos=False, endpoint="completions",
+                                      structured=None)
             return await serve_bench._one(a, "m", [1, 2], "")
     return asyncio.run(go())
 

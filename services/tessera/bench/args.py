@@ -41,6 +41,9 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
     p.add_argument("--tokenizer", default="smollm2", help="model path for exact prompt lengths")
     p.add_argument("--no-ignore-eos", action="store_true", help="for servers that reject ignore_eos")
+    p.add_argument("--structured", default=None, choices=["json_schema"],
+                   help="constrain every output to a fixed JSON Schema (a list longer than --output-len tokens, so "
+                   "every request still ends by length): response_format on chat, structured_outputs on completions")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     add_out_arg(p)

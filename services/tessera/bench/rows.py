@@ -22,14 +22,16 @@ def served(a: argparse.Namespace, r: dict) -> dict:
            "tpot_p50_ms": r["tpot_ms"]["p50"], "tpot_p99_ms": r["tpot_ms"]["p99"],
            "ttft_mean_ms": r["ttft_ms"]["mean"], "tpot_mean_ms": r["tpot_ms"]["mean"],
            "itl_p50_ms": r["itl_ms"]["p50"], "itl_p99_ms": r["itl_ms"]["p99"], "e2e_p50_ms": r["e2e_ms"]["p50"],
-           "model": r["model"], "endpoint": r["endpoint"], "range_ratio": r["range_ratio"],
+           "model": r["model"], "endpoint": r["endpoint"], "structured": r.get("structured"),
+           "range_ratio": r["range_ratio"],
            "shared_prefix_len": r["shared_prefix_len"], "request_rate": r["request_rate"],
            "completed": r["completed"], "failed": r["failed"], "duration_s": r["duration_s"],
            "cached_prompt_tokens": r["cached_prompt_tokens"],
            **{f"server_{k}_ms": v for k, v in server_ms.items() if k != "requests"},
            "ttft_outside_engine_ms": r["ttft_outside_engine_ms"],
            **{f"machine_{k}": v for k, v in machine.items()}, "samples": r["samples"]}
-    title = f"served {r['input_len']}/{r['output_len']} tokens, {r['num_prompts']} prompts"
+    title = f"served {r['input_len']}/{r['output_len']} tokens, {r['num_prompts']} prompts" + (
+        f", structured output ({r['structured']})" if r.get("structured") else "")
     return document("served", title, [row])
 
 

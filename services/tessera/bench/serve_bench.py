@@ -48,6 +48,16 @@ def _percentiles(xs: list[float]) -> dict:
 REQUEST_TIMEOUT_S = 3600.0
 
 
+# --structured json_schema: at least 64 records, more tokens than any --output-len benchmarked
+RECORDS = {"type": "object", "properties": {"records": {"type": "array", "minItems": 64, "items": {
+    "type": "object", "properties": {"id": {"type": "integer", "minimum": 0},
+                                     "name": {"type": "string", "maxLength": 16},
+                                     "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                                              "maxItems": 3}},
+    "required": ["id", "name", "tags"], "additionalProperties": False}}},
+    "required": ["records"], "additionalProperties": False}
+
+
 async def _one(a, model: str, prompt: list[int], text: str) -> dict:
     """One streamed request; a refusal, a broken stream or a timeout is a failed result."""
     try:
@@ -66,6 +76,10 @@ async def _stream_one(a, model: str, prompt: list[int], text: str) -> dict:
         path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": text}]
     else:
         path, body["prompt"] = "/v1/completions", prompt
+    if a.structured and a.endpoint == "chat":
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "records", "schema": RECORDS}}
+    elif a.structured:
+        body["structured_outputs"] = {"json": RECORDS}
     start = time.perf_counter()
     times: list[float] = []
     tokens = cached = 0
@@ -174,7 +188,7 @@ async def run(a: argparse.Namespace) -> dict:
     ttft = _percentiles([r["ttft"] for r in ok])
     out_tokens = sum(r["tokens"] for r in ok)
     return {
-        "base_url": a.base_url, "model": model, "endpoint": a.endpoint, "num_prompts": len(prompts),
+        "base_url": a.base_url, "model": model, "endpoint": a.endpoint, "structured": a.structured, "num_prompts": len(prompts),
         "input_len": a.input_len, "range_ratio": a.range_ratio, "shared_prefix_len": a.shared_prefix_len,
         "output_len": a.output_len,
         "concurrency": a.concurrency,
