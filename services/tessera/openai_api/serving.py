@@ -179,15 +179,16 @@ async def start(client: WorkerClient, inputs: list[GenerateInput], metrics: Gate
     return first, events
 
 
-async def stream(first, events, num_choices: int, shape: StreamShape) -> AsyncIterator[str]:
+async def stream(first, events, num_choices: int, shape: StreamShape) -> AsyncIterator[dict]:
+    """The response's chunks as dicts (an error mid-stream is an error body, the last item);
+    `sse_lines` encodes them for the wire, other APIs (Responses) translate them."""
     choices = [Choice(i) for i in range(num_choices)]
     if shape.chat:
-        yield sse(shape.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None, "finish_reason": None} for i in range(num_choices)]))
+        yield shape.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None} for i in range(num_choices)])
     async for i, item in _prepend(first, events):
         if isinstance(item, WorkerError):
-            yield sse(error_body(item.status, str(item), item.param, item.code))
-            yield sse("[DONE]")
+            yield error_body(item.status, str(item), item.param, item.code)
             return
         c = choices[i]
         offset = len(c.text)
@@ -195,9 +196,16 @@ async def stream(first, events, num_choices: int, shape: StreamShape) -> AsyncIt
         c.finish_reason = item.finish_reason
         if not item.text and not item.finish_reason and not (shape.logprobs and item.logprobs):
             continue
-        yield sse(shape.chunk([_stream_choice(shape, i, item, offset)]))
+        yield shape.chunk([_stream_choice(shape, i, item, offset)])
     if shape.include_usage:
-        yield sse(shape.chunk([], usage(choices, shape.n)))
+        yield shape.chunk([], usage(choices, shape.n))
+
+
+async def sse_lines(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """Server-sent events of a chunk stream, ended by `data: [DONE]` however it ends."""
+    async with aclosing(chunks):
+        async for chunk in chunks:
+            yield sse(chunk)
     yield sse("[DONE]")
 
 

@@ -30,7 +30,7 @@ from tessera.metrics import GatewayMetrics
 from tessera.openai_api.errors import APIError, error_body, error_response, validation_message
 from tessera.openai_api.params import chat_inputs, completion_inputs
 from tessera.openai_api.protocol import ChatCompletionRequest, CompletionRequest
-from tessera.openai_api.serving import StreamShape, collect, start, stream
+from tessera.openai_api.serving import StreamShape, collect, sse_lines, start, stream
 from tessera.worker_api import GenerateInput, WorkerClient, WorkerError, WorkerInfo
 
 HEALTH_TIMEOUT_S = 30.0
@@ -224,14 +224,23 @@ def _add_openai_routes(app: FastAPI, client: WorkerClient, metrics: GatewayMetri
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
                                             "owned_by": "tessera"}]}
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request):
+    async def run_chat(body: ChatCompletionRequest, request: Request):
+        """A chat request run to its end (the response body), or started as a stream (an async
+        iterator of chunk dicts): the route's work, which the Responses API reuses."""
         await check_model(body.model)
         rid = request.state.request_id
         inputs = chat_inputs(body, rid, admission.rules(getattr(request.state, "api_key", None)), await defaults.get())
-        shape = StreamShape(f"chatcmpl-{rid}", model_name, True, _usage(body), body.logprobs, body.n)
-        choices = await _run(request, inputs, shape if body.stream else None)
-        return choices if body.stream else chat_body(rid, model_name, choices, body.logprobs)
+        if body.stream:
+            shape = StreamShape(f"chatcmpl-{rid}", model_name, True, _usage(body), body.logprobs, body.n)
+            return await _stream(request, inputs, shape)
+        return chat_body(rid, model_name, await _collect(request, inputs), body.logprobs)
+
+    app.state.run_chat = run_chat
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        result = await run_chat(body, request)
+        return _sse(result) if body.stream else result
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -240,30 +249,36 @@ def _add_openai_routes(app: FastAPI, client: WorkerClient, metrics: GatewayMetri
         inputs = completion_inputs(body, rid, admission.config.max_choices,
                                    admission.rules(getattr(request.state, "api_key", None)), await defaults.get())
         logprobs = body.logprobs is not None
-        shape = StreamShape(f"cmpl-{rid}", model_name, False, _usage(body), logprobs, body.n)
-        choices = await _run(request, inputs, shape if body.stream else None)
         if body.stream:
-            return choices
+            shape = StreamShape(f"cmpl-{rid}", model_name, False, _usage(body), logprobs, body.n)
+            return _sse(await _stream(request, inputs, shape))
+        choices = await _collect(request, inputs)
         echo = [i.text or "" for i in inputs[::body.n]] if body.echo else None
         return completion_body(rid, model_name, choices, body.n, logprobs, echo)
 
-    async def _run(request: Request, inputs: list[GenerateInput], shape: StreamShape | None):
-        """Admit, then run to completion (choices) or start an SSE stream (StreamingResponse);
-        the admission ticket is released when the request ends, however it ends."""
+    async def _collect(request: Request, inputs: list[GenerateInput]):
+        """Admit, then run every choice to its end; the admission ticket is released however
+        the request ends (a client that leaves aborts it)."""
         ticket = await admission.admit(getattr(request.state, "api_key", None), len(inputs))
-        metered = _Metered(client, ticket)
-        if shape is None:
-            try:
-                return await _until_disconnect(request, collect(metered, inputs, metrics))
-            finally:
-                ticket.release()
         try:
-            first, events = await start(metered, inputs, metrics)
+            return await _until_disconnect(request, collect(_Metered(client, ticket), inputs, metrics))
+        finally:
+            ticket.release()
+
+    async def _stream(request: Request, inputs: list[GenerateInput], shape: StreamShape):
+        """Admit and wait for the first event (an error up front is still an HTTP error); the
+        chunks that follow release the ticket when they end, however they end."""
+        ticket = await admission.admit(getattr(request.state, "api_key", None), len(inputs))
+        try:
+            first, events = await start(_Metered(client, ticket), inputs, metrics)
         except BaseException:
             ticket.release()
             raise
-        return StreamingResponse(_released(stream(first, events, len(inputs), shape), ticket),
-                                 media_type="text/event-stream")
+        return _released(stream(first, events, len(inputs), shape), ticket)
+
+
+def _sse(chunks) -> StreamingResponse:
+    return StreamingResponse(sse_lines(chunks), media_type="text/event-stream")
 
 
 async def _released(events, ticket: Ticket):
