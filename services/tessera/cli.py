@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 
+from tessera.chat_config import ChatConfig
 from tessera.config import AfdConfig, ConfigError, EngineConfig, SpeculativeConfig
 from tessera.deploy.supervisor import SupervisorConfig
 from tessera.entrypoints.flags import add_flags, from_args
@@ -39,7 +40,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from tessera.entrypoints.serve import GATEWAY_FIELDS_SET_BY_SERVE, main
     gateway, admission = _gateway_configs(a, exclude=GATEWAY_FIELDS_SET_BY_SERVE)
     return main(from_args(EngineConfig, a), gateway, admission, a.worker_port, from_args(SupervisorConfig, a),
-                a.draft_port, a.certs, from_args(GenerationConfigSource, a))
+                a.draft_port, a.certs, from_args(GenerationConfigSource, a), from_args(ChatConfig, a))
 
 
 def cmd_gateway(a: argparse.Namespace) -> int:
@@ -51,7 +52,8 @@ def cmd_worker(a: argparse.Namespace) -> int:
     from tessera.entrypoints import vllm_worker, worker
     choice = from_args(vllm_worker.EngineChoice, a)   # --engine vllm: vLLM's engine, from .venv-vllm
     main = (lambda *rest: vllm_worker.main(choice, *rest)) if choice.engine == "vllm" else \
-        (lambda *rest: worker.main(*rest, generation=from_args(GenerationConfigSource, a)))
+        (lambda *rest: worker.main(*rest, generation=from_args(GenerationConfigSource, a),
+                                   chat=from_args(ChatConfig, a)))
     return main(from_args(EngineConfig, a), a.host, a.port, _registration(a), a.metrics_port, a.shutdown_grace_s)
 
 
@@ -175,6 +177,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     from tessera.entrypoints.serve import GATEWAY_FIELDS_SET_BY_SERVE
     add_flags(p, EngineConfig)
     add_flags(p, GenerationConfigSource)
+    add_flags(p, ChatConfig)
     _gateway_flags(p, exclude=GATEWAY_FIELDS_SET_BY_SERVE)
     p.add_argument("--worker-port", type=int, default=int(os.environ.get("TESSERA_WORKER_PORT", 50051)))
     p.add_argument("--draft-port", type=int, default=int(os.environ.get("TESSERA_DRAFT_PORT", 50081)),
@@ -215,6 +218,7 @@ def _probe_args(p: argparse.ArgumentParser) -> None:
 def _worker_args(p: argparse.ArgumentParser) -> None:
     add_flags(p, EngineConfig)
     add_flags(p, GenerationConfigSource)
+    add_flags(p, ChatConfig)
     _address_args(p, 50051)
     _registry_args(p)
 

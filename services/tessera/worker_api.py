@@ -97,6 +97,8 @@ class WorkerInfo:
     replay_checks: int = 0           # replayed steps checked again against the eager step (replay_check_every),
     replay_mismatches: int = 0       # and those that differed (their graph dropped)
     generation_defaults: GenerationDefaults = GenerationDefaults()   # for fields a request leaves unset
+    tool_call_parser: str = ""       # --tool-call-parser ("": none, so tool_choice "auto" is refused)
+    chat_template: str = ""          # --chat-template's file name; "": the tokenizer's own
 
 
 class WorkerError(Exception):

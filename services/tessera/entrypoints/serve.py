@@ -14,6 +14,7 @@ import pathlib
 import tempfile
 from dataclasses import replace
 
+from tessera.chat_config import ChatConfig
 from tessera.config import ConfigError, EngineConfig
 from tessera.deploy.supervisor import Child, Supervisor, SupervisorConfig, tessera_argv
 from tessera.entrypoints.draft_worker import TARGET_ONLY_FIELDS
@@ -30,7 +31,8 @@ GATEWAY_FIELDS_SET_BY_SERVE = ("worker", "registry", "registry_prefix", "shutdow
 
 def process_args(engine: EngineConfig, gateway: GatewayConfig, admission: AdmissionConfig, worker_port: int,
                  grace_s: float, draft_port: int | None = None,
-                 generation: GenerationConfigSource = GenerationConfigSource()) -> tuple[list[str], list[str]]:
+                 generation: GenerationConfigSource = GenerationConfigSource(),
+                 chat: ChatConfig = ChatConfig()) -> tuple[list[str], list[str]]:
     """The `tessera worker ...` and `tessera gateway ...` arguments; with draft_port the
     worker drafts through the draft worker there, on one thread unless --threads says otherwise."""
     if admission.keys_from_redis:
@@ -39,6 +41,7 @@ def process_args(engine: EngineConfig, gateway: GatewayConfig, admission: Admiss
         engine = replace(engine, num_threads=engine.num_threads or 1, speculative=replace(
             engine.speculative, draft_address=f"127.0.0.1:{draft_port}"))
     worker = ["worker", "--host", "127.0.0.1", "--port", str(worker_port), *to_argv(engine), *to_argv(generation),
+              *to_argv(chat),
               "--shutdown-grace-s", f"{grace_s:g}"]
     gateway = replace(gateway, worker=(f"127.0.0.1:{worker_port}",), shutdown_grace_s=grace_s)
     return worker, ["gateway", *to_argv(gateway), *to_argv(admission, **ADMISSION_FLAGS)]
@@ -57,7 +60,7 @@ def draft_worker_args(engine: EngineConfig, draft_port: int, grace_s: float) -> 
 
 def main(engine: EngineConfig, gateway: GatewayConfig, admission: AdmissionConfig, worker_port: int,
          supervisor: SupervisorConfig = SupervisorConfig(), draft_port: int = 50081, certs: str | None = None,
-         generation: GenerationConfigSource = GenerationConfigSource()) -> int:
+         generation: GenerationConfigSource = GenerationConfigSource(), chat: ChatConfig = ChatConfig()) -> int:
     grace = supervisor.shutdown_grace_s
     # A draft worker of our own unless --draft-address names one (or the drafter is prompt
     # lookup, which needs no model and stays in the target); the target decodes plainly while
@@ -68,7 +71,7 @@ def main(engine: EngineConfig, gateway: GatewayConfig, admission: AdmissionConfi
                           "draft worker elsewhere holds; run both under `tessera up` (a draft_worker role)")
     own_draft = spec.draft not in (None, "ngram")
     worker_args, gateway_args = process_args(engine, gateway, admission, worker_port, grace,
-                                             draft_port if own_draft else None, generation)
+                                             draft_port if own_draft else None, generation, chat)
     with tempfile.TemporaryDirectory(prefix="tessera-serve-") as scratch:
         roles = ("worker", "gateway", "draft-worker")    # certs: a tool (a test) that calls them too
         tls = {r: pathlib.Path(certs) / r for r in roles} if certs else write_role_dirs(scratch, "serve", roles)

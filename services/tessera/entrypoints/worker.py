@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tessera import logs, mtls
 from tessera.async_engine import AsyncEngine
+from tessera.chat_config import ChatConfig, template_name, template_text
 from tessera.config import ConfigError, EngineConfig
 from tessera.cpu_pinning import pin_engine_threads
 from tessera.engine import Engine
@@ -30,9 +31,11 @@ SERVICE = "tessera.rpc.v1.Worker"
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, engine: AsyncEngine, generation_defaults: GenerationDefaults = GenerationDefaults()) -> None:
+    def __init__(self, engine: AsyncEngine, generation_defaults: GenerationDefaults = GenerationDefaults(),
+                 chat: ChatConfig = ChatConfig()) -> None:
         self.engine = engine
         self.generation_defaults = generation_defaults
+        self.chat = chat
         self.draining = False
         self._outboxes: set[_Outbox] = set()
 
@@ -130,7 +133,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.AbortResponse(found=True)
 
     async def Info(self, request, context):
-        return convert.info_to_proto(replace(self.engine.info(), generation_defaults=self.generation_defaults))
+        return convert.info_to_proto(replace(
+            self.engine.info(), generation_defaults=self.generation_defaults,
+            tool_call_parser=self.chat.tool_call_parser or "", chat_template=template_name(self.chat.chat_template)))
 
 
 MESSAGE_BYTES = 4 << 20   # a session message stays far below the client's 64 MiB receive limit
@@ -186,22 +191,25 @@ async def _watch_health(engine: AsyncEngine, health_servicer: health.HealthServi
 
 async def serve(config: EngineConfig, host: str, port: int, build=None, role: str = "worker",
                 registration=None, metrics_port: int | None = None, shutdown_grace_s: float = 30.0,
-                engine=None, generation: GenerationConfigSource = GenerationConfigSource()) -> None:
+                engine=None, generation: GenerationConfigSource = GenerationConfigSource(),
+                chat: ChatConfig = ChatConfig()) -> None:
     """build() makes the engine (default: a monolithic one); an attention node passes its own;
     `engine` is one already running with AsyncEngine's face (the vLLM adapter, vllm_backend/).
     registration = (redis url, key prefix, advertised address) registers it with heartbeats;
     metrics_port serves the worker's Prometheus metrics over HTTP; `generation` names the
     sampling defaults its Info reply carries (a bad file stops the start, before the model
-    loads). Serves until SIGTERM or SIGINT, then drains (see _drain)."""
+    loads); `chat` its chat template and tool-call parser (chat_config.py). Serves until SIGTERM
+    or SIGINT, then drains (see _drain)."""
     defaults = read(generation, config.model)
     one_malloc_arena()   # before the engine thread exists
-    engine = engine or AsyncEngine(build or (lambda: _warmed(_pinned(Engine(config)))), role=role)
+    build = _templated(build or (lambda: _warmed(_pinned(Engine(config)))), chat.chat_template)
+    engine = engine or AsyncEngine(build, role=role)
     if metrics_port:
         from tessera.metrics import serve_worker_metrics
         serve_worker_metrics(engine, role, metrics_port, host)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20), *options.ACCEPT_KEEPALIVE,
                                       *mtls.SERVER_OPTIONS], interceptors=[mtls.AioServerInterceptor()])
-    servicer = WorkerServicer(engine, defaults)
+    servicer = WorkerServicer(engine, defaults, chat)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -223,6 +231,20 @@ async def serve(config: EngineConfig, host: str, port: int, build=None, role: st
         for task in tasks:
             task.cancel()
         engine.shutdown()
+
+
+def _templated(build, spec: str | None):
+    """build, then the --chat-template in place of the tokenizer's, set before AsyncEngine reads the
+    compatibility hash (which covers the template: a stream fails over only to a worker rendering alike)."""
+    if spec is None:
+        return build
+    text = template_text(spec)
+
+    def built() -> Engine:
+        engine = build()
+        engine.tokenizer.chat_template = text
+        return engine
+    return built
 
 
 def one_malloc_arena() -> None:
@@ -331,8 +353,9 @@ async def _register(engine: AsyncEngine, config: EngineConfig, role: str, regist
 
 
 def main(config: EngineConfig, host: str, port: int, registration=None, metrics_port: int | None = None,
-         shutdown_grace_s: float = 30.0, generation: GenerationConfigSource = GenerationConfigSource()) -> int:
+         shutdown_grace_s: float = 30.0, generation: GenerationConfigSource = GenerationConfigSource(),
+         chat: ChatConfig = ChatConfig()) -> int:
     """`tessera worker`."""
     asyncio.run(serve(config, host, port, registration=registration, metrics_port=metrics_port,
-                      shutdown_grace_s=shutdown_grace_s, generation=generation))
+                      shutdown_grace_s=shutdown_grace_s, generation=generation, chat=chat))
     return 0

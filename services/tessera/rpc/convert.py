@@ -155,7 +155,8 @@ def info_to_proto(i: WorkerInfo) -> worker_pb2.InfoResponse:
         spec_accepted_tokens=i.spec_accepted_tokens, spec_emitted_tokens=i.spec_emitted_tokens,
         prefix_cache_queries=i.prefix_cache_queries, prefix_cache_hits=i.prefix_cache_hits,
         stage_compute_s=i.stage_compute_s,
-        generation_defaults=worker_pb2.GenerationDefaults(**i.generation_defaults.given()))
+        generation_defaults=worker_pb2.GenerationDefaults(**i.generation_defaults.given()),
+        tool_call_parser=i.tool_call_parser, chat_template=i.chat_template)
 
 
 def info_from_proto(m: worker_pb2.InfoResponse) -> WorkerInfo:
@@ -166,7 +167,8 @@ def info_from_proto(m: worker_pb2.InfoResponse) -> WorkerInfo:
                       m.num_free_kv_blocks, m.num_running, m.num_waiting, m.dtype, m.role, m.compat,
                       m.speculative, m.spec_verify_rounds, m.spec_draft_tokens, m.spec_accepted_tokens,
                       m.spec_emitted_tokens, m.prefix_cache_queries, m.prefix_cache_hits, m.stage_compute_s,
-                      generation_defaults=defaults)
+                      generation_defaults=defaults, tool_call_parser=m.tool_call_parser,
+                      chat_template=m.chat_template)
 
 
 # WorkerError <-> gRPC status. The error class travels in the details as "<code>|<param>|<message>".
