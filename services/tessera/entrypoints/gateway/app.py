@@ -25,6 +25,7 @@ from tessera import logs
 from tessera.config import SamplingParams
 from tessera.entrypoints.gateway.admission import Admission, AdmissionConfig, Ticket
 from tessera.entrypoints.gateway.responses import chat_body, completion_body
+from tessera.entrypoints.gateway.responses_routes import add_responses_routes
 from tessera.generation_defaults import GenerationDefaults
 from tessera.metrics import GatewayMetrics
 from tessera.openai_api.errors import APIError, error_body, error_response, validation_message
@@ -62,6 +63,7 @@ def create_app(client: WorkerClient, model_name: str, background=(), admission: 
     app.state.client, app.state.metrics, app.state.admission = client, metrics, admission
     _add_middleware_and_errors(app, metrics, admission, batch.body_limits if batch is not None else {})
     _add_openai_routes(app, client, metrics, model_name, admission, _Defaults(client))
+    add_responses_routes(app)
     if batch is not None:
         app.include_router(batch.router)
     _add_ops_routes(app, client, metrics, admission)

@@ -1,0 +1,102 @@
+"""POST /v1/responses, GET and DELETE /v1/responses/{id}: the Responses API on the gateway.
+A request is translated (openai_api/responses_api.py) into a chat request that the chat route's
+own work (app.state.run_chat) runs; its body or chunks are translated back. Stored responses
+live in Redis when the gateway has it (admission's connection and key prefix), else in memory."""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from tessera.openai_api.errors import APIError
+from tessera.openai_api.responses_api import ResponsesRequest, from_chat_body, responses_param, to_chat
+from tessera.openai_api.responses_stream import response_events
+from tessera.responses_store import MemoryResponseStore, RedisResponseStore, ResponseStore, StoredResponse
+
+log = logging.getLogger("tessera.gateway")
+_ID = re.compile(r"resp_[0-9a-f]{1,64}")
+PUBLIC_OWNER = "public"     # the owner of every response when the gateway takes no API keys
+
+
+def add_responses_routes(app: FastAPI) -> None:
+    admission = app.state.admission
+    store: ResponseStore = (RedisResponseStore(admission.redis, admission.prefix) if admission.redis is not None
+                            else MemoryResponseStore())
+    app.state.responses_store = store
+
+    @app.post("/v1/responses")
+    async def create(body: ResponsesRequest, request: Request):
+        owner = _owner(request)
+        history = (await _load(store, owner, body.previous_response_id)).conversation \
+            if body.previous_response_id else []
+        chat, conversation = to_chat(body, history)
+        rid, created_at = request.state.request_id, int(time.time())
+        try:
+            result = await request.app.state.run_chat(chat, request)
+        except APIError as e:
+            raise responses_param(e) from None
+
+        async def finish(response: dict, message: dict) -> None:
+            if body.store:
+                await _save(store, owner, StoredResponse(response, [*conversation, message]))
+
+        if body.stream:
+            events = response_events(body, rid, chat.model, created_at, result, finish)
+            return StreamingResponse(_sse(events), media_type="text/event-stream")
+        response, message = from_chat_body(body, rid, result, created_at)
+        await finish(response, message)
+        return response
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str, request: Request):
+        return (await _load(store, _owner(request), response_id)).response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str, request: Request):
+        if not _ID.fullmatch(response_id) or not await _call(store.delete(_owner(request), response_id)):
+            raise _not_found(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+
+def _owner(request: Request) -> str:
+    key = getattr(request.state, "api_key", None)
+    return key.counter_id if key is not None else PUBLIC_OWNER
+
+
+async def _load(store: ResponseStore, owner: str, response_id: str) -> StoredResponse:
+    record = await _call(store.get(owner, response_id)) if _ID.fullmatch(response_id) else None
+    if record is None:
+        raise _not_found(response_id)
+    return record
+
+
+async def _save(store: ResponseStore, owner: str, record: StoredResponse) -> None:
+    try:
+        await _call(store.put(owner, record))
+    except ValueError as e:      # larger than the whole memory store
+        raise APIError(400, f"the response cannot be stored: {e}", "store") from None
+
+
+async def _call(operation):
+    """A store operation; Redis unreachable is a 503 the client may retry."""
+    try:
+        return await operation
+    except (ValueError, APIError):
+        raise
+    except Exception as e:
+        log.warning("responses store: %s: %s", type(e).__name__, e)
+        raise APIError(503, "The response store is unavailable; retry later.", None, "store_unavailable", 1) from None
+
+
+def _not_found(response_id: str) -> APIError:
+    return APIError(404, f"Response with id '{response_id[:80]}' not found.", "response_id", "not_found")
+
+
+async def _sse(events):
+    """OpenAI's framing: each event named on its own `event:` line; no [DONE]."""
+    async for event in events:
+        yield f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
