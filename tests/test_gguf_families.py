@@ -44,13 +44,14 @@ AS_LLAMA_CPP_RUNS_IT = {
 GGUF_MODEL_TYPE = {"mistral": "llama"}
 
 
-def convert(hf_dir: Path, out: Path) -> Path:
-    """The converter's output for a checkpoint, as float32 (--outtype f32)."""
+def convert(hf_dir: Path, out: Path, tokenizer=None) -> Path:
+    """The converter's output for a checkpoint, as float32 (--outtype f32); tokenizer(writer)
+    writes the tokenizer.* entries (default: SmolLM2's, which the random checkpoints use)."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     arch = ARCHS[cfg["architectures"][0]]
     writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
     _write_parameters(writer, arch, cfg)
-    _copy_tokenizer(writer)
+    (tokenizer or _copy_tokenizer)(writer)
     names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
     for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
         if arch == gguf.MODEL_ARCH.GEMMA2 and name == "lm_head.weight":
