@@ -54,7 +54,7 @@ def gguf_tokenizer(path: pathlib.Path) -> PreTrainedTokenizerFast:
 
 
 def _byte_level_bpe(meta: dict, tokens: list[str]):
-    from tokenizers import Tokenizer, decoders, models, normalizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
