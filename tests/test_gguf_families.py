@@ -67,6 +67,10 @@ def convert(hf_dir: Path, out: Path, tokenizer=None) -> Path:
     rope = cfg.get("rope_parameters") or {}
     if rope.get("rope_type") == "llama3":
         writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", _llama3_factors(cfg, rope))
+    if rope.get("rope_type") == "longrope":     # Phi3MiniModel.generate_extra_tensors
+        for kind in ("long", "short"):
+            tensor = gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, f"ROPE_FACTORS_{kind.upper()}")] + ".weight"
+            writer.add_tensor(tensor, np.array(rope[f"{kind}_factor"], dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -141,6 +145,9 @@ def _write_parameters(w: gguf.GGUFWriter, arch, cfg: dict) -> None:
         w.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
         w.add_rope_dimension_count(head_dim)
         w.add_sliding_window(cfg.get("sliding_window") or 0)
+        if full.get("rope_type") == "longrope":
+            scale = cfg["max_position_embeddings"] / cfg["original_max_position_embeddings"]
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(cfg["original_max_position_embeddings"])))
     if arch == gguf.MODEL_ARCH.GEMMA3:
         w.add_sliding_window(cfg["sliding_window"])
         if cfg.get("final_logit_softcapping"):
@@ -173,7 +180,7 @@ def _reference(hf_dir: Path, family: str, out: Path) -> Path:
 
 
 @pytest.mark.parametrize("family", ["llama3_rope", "mistral", "qwen2", "qwen3", "granite", "olmo2", "phi3",
-                                    "gemma2", "gemma3"])
+                                    "phi3_longrope", "gemma2", "gemma3"])
 def test_gguf_greedy_identical_to_the_hf_directory(tmp_path, family):
     hf_dir = Path(build_hf_checkpoint(family, tmp_path / "hf"))
     path = convert(hf_dir, tmp_path / f"{family}.gguf")

@@ -26,6 +26,7 @@ ARCHITECTURES = {
 _SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
 _GEMMA3_LOCAL_THETA = 10000.0
 _ROPE_FREQS = "rope_freqs.weight"
+_LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")   # Phi-3's LongRoPE
 
 
 def hf_config(meta: dict, tensors: dict) -> dict:
@@ -88,6 +89,26 @@ def _rope(g, head_dim: int, tensors: dict) -> dict:
         from tessera.models.gguf_file import dequantize
         factors = np.array(dequantize(tensors[_ROPE_FREQS]), dtype=np.float64).reshape(-1)
         rope.update(llama3_rope(factors, rope["rope_theta"], head_dim))
+    if _LONGROPE[0] in tensors:
+        rope.update(_longrope(g, tensors))
+    return rope
+
+
+def _longrope(g, tensors: dict) -> dict:
+    """Phi-3's per-frequency long and short factors, stored as tensors; the attention factor is
+    kept only where it differs from the one transformers derives from the two lengths."""
+    from tessera.models.gguf_file import dequantize
+    if _LONGROPE[1] not in tensors:
+        raise ConfigError(f"GGUF has {_LONGROPE[0]} without {_LONGROPE[1]}")
+    long, short = (np.array(dequantize(tensors[n]), dtype=np.float32).reshape(-1) for n in _LONGROPE)
+    original = int(g("rope.scaling.original_context_length"))
+    rope = dict(rope_type="longrope", long_factor=[_decimal(float(x)) for x in long],
+                short_factor=[_decimal(float(x)) for x in short], original_max_position_embeddings=original)
+    scale = int(g("context_length")) / original
+    derived = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+    given = g("rope.scaling.attn_factor")
+    if given is not None and abs(given - derived) > 1e-6 * derived:
+        rope["attention_factor"] = float(given)
     return rope
 
 

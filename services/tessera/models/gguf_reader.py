@@ -43,7 +43,8 @@ _FFN_NORM = dict.fromkeys(("gemma2", "gemma3"), "pre_feedforward_layernorm")   #
 _FFN_UP = {"phi3": "gate_up_proj"}                              # else up_proj
 _PERMUTED = ("llama", "granite")       # q and k rows interleaved by the converter
 _NORM_PLUS_ONE = ("gemma2", "gemma3")  # norms stored as 1 + w
-_SKIPPED = ("rope_freqs.weight",)      # read into the config (Llama 3 rope scaling)
+# read into the config: Llama 3 rope scaling, Phi-3's LongRoPE factors
+_SKIPPED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def gguf_config(path: pathlib.Path, file: GGUFFile | None = None) -> ModelConfig:

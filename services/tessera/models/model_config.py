@@ -158,6 +158,7 @@ def _rope_scaling(cfg: dict) -> tuple[tuple[str, object], ...]:
     scaling = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
     kind = scaling.pop("rope_type", scaling.pop("type", "default"))
     scaling.pop("rope_theta", None)
+    scaling.pop("partial_rotary_factor", None)     # anything but 1.0 is refused in from_hf
     if kind in ("default", None):
         return ()
     kind = "longrope" if kind == "su" else kind     # LongRoPE's first name (Phi-3 128k's early configs)
