@@ -51,9 +51,9 @@ def cmd_gateway(a: argparse.Namespace) -> int:
 def cmd_worker(a: argparse.Namespace) -> int:
     from tessera.entrypoints import vllm_worker, worker
     choice = from_args(vllm_worker.EngineChoice, a)   # --engine vllm: vLLM's engine, from .venv-vllm
-    main = (lambda *rest: vllm_worker.main(choice, *rest)) if choice.engine == "vllm" else \
-        (lambda *rest: worker.main(*rest, generation=from_args(GenerationConfigSource, a),
-                                   chat=from_args(ChatConfig, a)))
+    generation = from_args(GenerationConfigSource, a)
+    main = (lambda *rest: vllm_worker.main(choice, *rest, generation=generation)) if choice.engine == "vllm" else \
+        (lambda *rest: worker.main(*rest, generation=generation, chat=from_args(ChatConfig, a)))
     return main(from_args(EngineConfig, a), a.host, a.port, _registration(a), a.metrics_port, a.shutdown_grace_s)
 
 
