@@ -1,7 +1,8 @@
 """POST /v1/responses, GET and DELETE /v1/responses/{id}: the Responses API on the gateway.
 A request is translated (openai_api/responses_api.py) into a chat request that the chat route's
 own work (app.state.run_chat) runs; its body or chunks are translated back. Stored responses
-live in Redis when the gateway has it (admission's connection and key prefix), else in memory."""
+live in the Redis that holds the gateways' shared state (the Batch API's --jobs-redis, else the
+registry's), under the deployment's key prefix, else in this gateway's memory."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
+from tessera.batch_jobs.redis_jobs import RedisJobStore
 from tessera.openai_api.errors import APIError
 from tessera.openai_api.responses_api import ResponsesRequest, from_chat_body, responses_param, to_chat
 from tessera.openai_api.responses_stream import response_events
@@ -22,11 +24,9 @@ _ID = re.compile(r"resp_[0-9a-f]{1,64}")
 PUBLIC_OWNER = "public"     # the owner of every response when the gateway takes no API keys
 
 
-def add_responses_routes(app: FastAPI) -> None:
-    admission = app.state.admission
-    store: ResponseStore = (RedisResponseStore(admission.redis, admission.prefix) if admission.redis is not None
-                            else MemoryResponseStore())
-    app.state.responses_store = store
+def add_responses_routes(app: FastAPI, batch=None) -> None:
+    """batch: the app's BatchAPI (batch_api.py) or None; its Redis connection is reused."""
+    app.state.responses_store = store = _store(app.state.admission, batch)
 
     @app.post("/v1/responses")
     async def create(body: ResponsesRequest, request: Request):
@@ -60,6 +60,14 @@ def add_responses_routes(app: FastAPI) -> None:
         if not _ID.fullmatch(response_id) or not await _call(store.delete(_owner(request), response_id)):
             raise _not_found(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
+
+
+def _store(admission, batch) -> ResponseStore:
+    if batch is not None and isinstance(batch.store, RedisJobStore):
+        return RedisResponseStore(batch.store.redis, batch.store.prefix)
+    if admission.redis is not None:
+        return RedisResponseStore(admission.redis, admission.prefix)
+    return MemoryResponseStore()
 
 
 def _owner(request: Request) -> str:
