@@ -3,9 +3,8 @@ JSON text), as vLLM reads them for a text-only model: text parts joined with "\\
 assistant's tool_calls and a tool message's tool_call_id kept where OpenAI's API puts them,
 `name` on any message. A part that is not text is a 400 naming the message and the part type.
 
-Tools: the template sees them only with tool_choice "none" (vLLM's rule for it: the model
-answers in text); any other choice needs tool calls parsed from the output, which the gateway
-does not do yet, so it stays a 400."""
+Tools: the template sees them whatever tool_choice is (vLLM's default); how the output becomes
+tool calls is tools.py's."""
 from __future__ import annotations
 
 import json
@@ -24,9 +23,6 @@ def worker_tools(req: ChatCompletionRequest) -> str | None:
     description, parameters}, unset ones null); None without tools."""
     if not req.tools:
         return None
-    if req.tool_choice != "none":
-        raise APIError(400, "tools are supported only with tool_choice \"none\" (the template sees them and "
-                       "the model answers in text): tool calls are not parsed from the output yet", "tools")
     return json.dumps([t.model_dump() for t in req.tools], ensure_ascii=False)
 
 

@@ -5,12 +5,13 @@ import hashlib
 import re
 from dataclasses import dataclass
 
-from tessera.config import INT32_MAX, ConfigError, SamplingParams
+from tessera.config import INT32_MAX, ConfigError, SamplingParams, StructuredOutput
 from tessera.generation_defaults import GenerationDefaults
 from tessera.openai_api.chat_messages import worker_messages, worker_tools
 from tessera.openai_api.errors import APIError
 from tessera.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from tessera.openai_api.structured import structured_output
+from tessera.openai_api.tools import ToolPlan, constraint, tool_plan
 from tessera.seeds import choice_seed
 from tessera.worker_api import GenerateInput
 
@@ -40,9 +41,11 @@ def cache_salt(tenant: str | None, salt: str | None) -> str | None:
 
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
                     logprobs: int | None, seed: int | None, rules: RequestRules = RequestRules(),
-                    defaults: GenerationDefaults = GenerationDefaults()) -> SamplingParams:
+                    defaults: GenerationDefaults = GenerationDefaults(),
+                    forced: StructuredOutput | None = None) -> SamplingParams:
     """A field the request leaves unset (None) takes the model's default (generation_config.json,
-    as vLLM), else SamplingParams' own; max_tokens None (chat without a limit) likewise."""
+    as vLLM), else SamplingParams' own; max_tokens None (chat without a limit) likewise.
+    forced: the constraint of forced tool calls (tools.constraint), in place of response_format's."""
     _check_caps(req, rules)
     try:
         return SamplingParams(
@@ -58,7 +61,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: 
             ignore_eos=req.ignore_eos,
             logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
             logit_bias=_logit_bias(req.logit_bias), cache_salt=cache_salt(rules.tenant, req.cache_salt),
-            structured=structured_output(req))
+            structured=forced or structured_output(req))
     except ConfigError as e:
         raise APIError(400, str(e), param=e.param) from e
 
@@ -85,16 +88,20 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
 
 
 def chat_inputs(req: ChatCompletionRequest, request_id: str, rules: RequestRules = RequestRules(),
-                defaults: GenerationDefaults = GenerationDefaults()) -> list[GenerateInput]:
+                defaults: GenerationDefaults = GenerationDefaults(),
+                tools: ToolPlan | None = None) -> list[GenerateInput]:
+    """tools: the request's tool plan (tools.tool_plan), whose forced calls constrain decoding;
+    None: planned here as for a worker without a tool-call parser."""
     if len(req.messages) > rules.max_messages:
         raise APIError(400, f"{len(req.messages)} messages; at most {rules.max_messages} are allowed", "messages")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    messages, tools = worker_messages(req.messages), worker_tools(req)
-    return [GenerateInput(f"{request_id}-{j}", _params(req, max_tokens, logprobs, j, rules, defaults),
-                          messages=messages, tools=tools) for j in range(req.n)]
+    forced = constraint(req, tools if tools is not None else tool_plan(req, ""))
+    messages, tool_list = worker_messages(req.messages), worker_tools(req)
+    return [GenerateInput(f"{request_id}-{j}", _params(req, max_tokens, logprobs, j, rules, defaults, forced),
+                          messages=messages, tools=tool_list) for j in range(req.n)]
 
 
 def completion_inputs(req: CompletionRequest, request_id: str, max_choices: int,
@@ -139,10 +146,10 @@ def _prompts(prompt) -> list:
 
 
 def _params(req, max_tokens: int | None, logprobs: int | None, j: int, rules: RequestRules,
-            defaults: GenerationDefaults) -> SamplingParams:
+            defaults: GenerationDefaults, forced: StructuredOutput | None = None) -> SamplingParams:
     """max_tokens None means up to the context (the worker subtracts the prompt length);
     choice j of n draws from its own seed (seeds.choice_seed) so seeded choices differ."""
     if req.seed is not None and not -2**63 <= req.seed < 2**63:
         raise APIError(400, "seed must fit in 64 bits", "seed")
     seed = None if req.seed is None else choice_seed(req.seed, j)
-    return sampling_params(req, max_tokens, logprobs, seed, rules, defaults)
+    return sampling_params(req, max_tokens, logprobs, seed, rules, defaults, forced)

@@ -141,6 +141,7 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict | None = None
     tools: list[Tool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: StrictBool | None = None      # unset: true, as OpenAI
 
 
 class CompletionRequest(SamplingFields):

@@ -15,6 +15,8 @@ from typing import AsyncIterator
 
 from tessera.metrics import GatewayMetrics
 from tessera.openai_api.errors import error_body
+from tessera.openai_api.tool_stream import ToolStream
+from tessera.openai_api.tools import ToolPlan
 from tessera.worker_api import GenerateChunk, GenerateInput, WorkerClient, WorkerError
 
 
@@ -159,6 +161,12 @@ class StreamShape:
     logprobs: bool
     n: int = 1
     created: int = field(default_factory=lambda: int(time.time()))
+    tools: ToolPlan | None = None       # chat with tool calls to read from the output
+
+    def tool_streams(self, num_choices: int) -> list[ToolStream] | None:
+        if self.tools is None or self.tools.mode == "none":
+            return None
+        return [ToolStream(self.tools) for _ in range(num_choices)]
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -183,6 +191,7 @@ async def stream(first, events, num_choices: int, shape: StreamShape) -> AsyncIt
     """The response's chunks as dicts (an error mid-stream is an error body, the last item);
     `sse_lines` encodes them for the wire, other APIs (Responses) translate them."""
     choices = [Choice(i) for i in range(num_choices)]
+    tool_streams = shape.tool_streams(num_choices)
     if shape.chat:
         yield shape.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None} for i in range(num_choices)])
@@ -194,6 +203,11 @@ async def stream(first, events, num_choices: int, shape: StreamShape) -> AsyncIt
         offset = len(c.text)
         c.add(item)
         c.finish_reason = item.finish_reason
+        if tool_streams is not None:
+            delta, finish = tool_streams[i].feed(item.text, item.finish_reason)
+            if delta or finish or (shape.logprobs and item.logprobs):
+                yield shape.chunk([_chat_choice(shape, i, item, delta, finish)])
+            continue
         if not item.text and not item.finish_reason and not (shape.logprobs and item.logprobs):
             continue
         yield shape.chunk([_stream_choice(shape, i, item, offset)])
@@ -218,10 +232,13 @@ async def _prepend(first, events):
         await events.aclose()
 
 
+def _chat_choice(shape: StreamShape, i: int, item: GenerateChunk, delta: dict, finish: str | None) -> dict:
+    lps = chat_logprobs(item.logprobs) if shape.logprobs else None
+    return {"index": i, "delta": delta, "logprobs": lps, "finish_reason": finish}
+
+
 def _stream_choice(shape: StreamShape, i: int, item: GenerateChunk, offset: int) -> dict:
     if shape.chat:
-        lps = chat_logprobs(item.logprobs) if shape.logprobs else None
-        delta = {"content": item.text} if item.text else {}
-        return {"index": i, "delta": delta, "logprobs": lps, "finish_reason": item.finish_reason}
+        return _chat_choice(shape, i, item, {"content": item.text} if item.text else {}, item.finish_reason)
     lps = completion_logprobs(item.logprobs, offset) if shape.logprobs else None
     return {"index": i, "text": item.text, "logprobs": lps, "finish_reason": item.finish_reason}
