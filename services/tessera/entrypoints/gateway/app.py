@@ -32,6 +32,7 @@ from tessera.openai_api.errors import APIError, error_body, error_response, vali
 from tessera.openai_api.params import chat_inputs, completion_inputs
 from tessera.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from tessera.openai_api.serving import StreamShape, collect, sse_lines, start, stream
+from tessera.openai_api.tools import tool_plan
 from tessera.worker_api import GenerateInput, WorkerClient, WorkerError, WorkerInfo
 
 HEALTH_TIMEOUT_S = 30.0
@@ -199,20 +200,28 @@ class _Metered:
 
 
 class _Defaults:
-    """The workers' sampling defaults (their Info reply), asked once of the first that answers:
-    the replicas behind one gateway serve one model, started alike. Until one answers, none
-    (a request then fails at the worker anyway)."""
+    """What the workers' Info reply says a request needs (sampling defaults, the tool-call
+    parser), asked once of the first that answers: the replicas behind one gateway serve one
+    model, started alike. Until one answers, none (a request then fails at the worker anyway)."""
 
     def __init__(self, client: WorkerClient) -> None:
         self.client, self.known = client, None
 
-    async def get(self) -> GenerationDefaults:
+    async def info(self) -> WorkerInfo | None:
         if self.known is None:
             try:
-                self.known = (await self.client.info(timeout_s=READY_TIMEOUT_S)).generation_defaults
+                self.known = await self.client.info(timeout_s=READY_TIMEOUT_S)
             except WorkerError:
-                return GenerationDefaults()
+                return None
         return self.known
+
+    async def get(self) -> GenerationDefaults:
+        info = await self.info()
+        return info.generation_defaults if info is not None else GenerationDefaults()
+
+    async def tool_call_parser(self) -> str:
+        info = await self.info()
+        return info.tool_call_parser if info is not None else ""
 
 
 def _add_openai_routes(app: FastAPI, client: WorkerClient, metrics: GatewayMetrics, model_name: str,
@@ -231,11 +240,13 @@ def _add_openai_routes(app: FastAPI, client: WorkerClient, metrics: GatewayMetri
         iterator of chunk dicts): the route's work, which the Responses API reuses."""
         await check_model(body.model)
         rid = request.state.request_id
-        inputs = chat_inputs(body, rid, admission.rules(getattr(request.state, "api_key", None)), await defaults.get())
+        tools = tool_plan(body, await defaults.tool_call_parser())
+        inputs = chat_inputs(body, rid, admission.rules(getattr(request.state, "api_key", None)),
+                             await defaults.get(), tools)
         if body.stream:
-            shape = StreamShape(f"chatcmpl-{rid}", model_name, True, _usage(body), body.logprobs, body.n)
+            shape = StreamShape(f"chatcmpl-{rid}", model_name, True, _usage(body), body.logprobs, body.n, tools=tools)
             return await _stream(request, inputs, shape)
-        return chat_body(rid, model_name, await _collect(request, inputs), body.logprobs)
+        return chat_body(rid, model_name, await _collect(request, inputs), body.logprobs, tools)
 
     app.state.run_chat = run_chat
 
