@@ -1,0 +1,184 @@
+"""The Responses API through what a user runs: `tessera serve` on the default model (two API keys,
+responses stored in a real Redis by --jobs-redis) and the official openai client. Greedy outputs
+are compared with the chat endpoint's for the same messages, since the Responses API is a
+translation of it; streamed events are checked in OpenAI's order; stored responses continue a
+conversation, belong to the key that created them and expire."""
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel
+
+from servers import _process, free_port, redis_url
+from tessera import redis_conn
+from tessera.entrypoints.gateway.admission import digest
+from tessera.responses_store import MemoryResponseStore, StoreConfig, StoredResponse
+
+pytestmark = pytest.mark.e2e
+KEY, OTHER_KEY = "sk-responses-a", "sk-responses-b"
+MODEL = "smollm2"
+
+
+@pytest.fixture(scope="module")
+def redis():
+    with redis_url() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def url(redis, tmp_path_factory):
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        try:
+            return httpx.get(base + "/health", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).is_success
+        except httpx.HTTPError:
+            return False
+    with _process(["serve", "--port", str(port), "--worker-port", str(free_port()), "--model", MODEL,
+                   "--dtype", "float32", "--threads", "2", "--served-model-name", MODEL, "--kv-cache-gib", "0.05",
+                   "--jobs-redis", redis, "--files-dir", str(tmp_path_factory.mktemp("files")),
+                   "--api-key", KEY, "--api-key", OTHER_KEY], ready, 180):
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def chat_text(client, messages: list[dict], max_tokens: int) -> tuple[str, str]:
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0)
+    return r.choices[0].message.content, r.choices[0].finish_reason
+
+
+def test_string_input_plain_and_streamed_is_the_chat_answer(client):
+    kw = dict(model=MODEL, input="Name three colours.", max_output_tokens=8, temperature=0)
+    r = client.responses.create(**kw)
+    text, finish = chat_text(client, [{"role": "user", "content": "Name three colours."}], 8)
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == MODEL
+    assert r.output_text == text and text
+    assert r.status == ("incomplete" if finish == "length" else "completed")
+    message = r.output[0]
+    assert message.type == "message" and message.role == "assistant" and message.content[0].annotations == []
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    assert r.usage.output_tokens_details.reasoning_tokens == 0 and r.max_output_tokens == 8
+
+    events = list(client.responses.create(stream=True, **kw))
+    final = events[-1].response
+    kinds = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    head = ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+    tail = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert kinds == head + ["response.output_text.delta"] * len(deltas) + tail + [f"response.{r.status}"], kinds
+    assert "".join(deltas) == final.output_text == text and final.usage.output_tokens == r.usage.output_tokens
+    assert client.responses.retrieve(final.id).output_text == text
+
+
+def test_items_and_instructions_are_the_chat_messages(client):
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "I have a cat."}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Nice!"}]},
+             {"role": "user", "content": "What pet do I have?"}]
+    r = client.responses.create(model=MODEL, input=items, instructions="Answer in one sentence.",
+                                max_output_tokens=8, temperature=0, metadata={"run": "1"})
+    text, _ = chat_text(client, [{"role": "system", "content": "Answer in one sentence."},
+                                 {"role": "user", "content": "I have a cat."}, {"role": "assistant", "content": "Nice!"},
+                                 {"role": "user", "content": "What pet do I have?"}], 8)
+    assert r.output_text == text
+    assert r.instructions == "Answer in one sentence." and r.metadata == {"run": "1"}
+
+
+class Answer(BaseModel):
+    answer: Literal["yes", "no"]
+
+
+def test_text_format_json_schema_streamed_through_the_clients_helper(client):
+    """responses.stream with a pydantic model: text.format json_schema, and the helper's own checks
+    of the event sequence (it needs response.completed, so the output must end by itself)."""
+    with client.responses.stream(model=MODEL, input="Is the sky blue? Answer as JSON.", text_format=Answer,
+                                 max_output_tokens=30, temperature=1.0) as stream:
+        final = stream.get_final_response()
+    assert final.status == "completed" and final.text.format.type == "json_schema"
+    jsonschema.validate(json.loads(final.output_text), Answer.model_json_schema())
+    assert isinstance(final.output_parsed, Answer)
+
+
+def test_max_output_tokens_makes_it_incomplete(client):
+    r = client.responses.create(model=MODEL, input="Write a long story about the sea.", max_output_tokens=2,
+                                temperature=0)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 2 and r.output[0].status == "incomplete"
+
+
+def test_previous_response_id_continues_the_conversation(client):
+    first = client.responses.create(model=MODEL, input="My name is Ada. Greet me.", max_output_tokens=8,
+                                    temperature=0)
+    second = client.responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id,
+                                     max_output_tokens=8, temperature=0)
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    text, _ = chat_text(client, [{"role": "user", "content": "My name is Ada. Greet me."},
+                                 {"role": "assistant", "content": first.output_text},
+                                 {"role": "user", "content": "What is my name?"}], 8)
+    assert second.output_text == text
+
+
+def test_stored_responses_belong_to_their_key_and_expire(client, url, redis):
+    r = client.responses.create(model=MODEL, input="Hi.", max_output_tokens=4, temperature=0)
+    assert client.responses.retrieve(r.id).model_dump() == r.model_dump()
+    ttl = redis_conn.connect(redis, blocking=True).ttl(f"tessera:response:{digest(KEY)}:{r.id}")
+    assert 0 < ttl <= StoreConfig().ttl_s
+    other = openai.OpenAI(base_url=url + "/v1", api_key=OTHER_KEY, max_retries=0, timeout=60)
+    for call in (lambda: other.responses.retrieve(r.id), lambda: other.responses.delete(r.id),
+                 lambda: other.responses.create(model=MODEL, input="x", previous_response_id=r.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    unstored = client.responses.create(model=MODEL, input="Hi.", max_output_tokens=2, store=False)
+    deleted = httpx.delete(f"{url}/v1/responses/{r.id}", headers={"Authorization": f"Bearer {KEY}"})
+    assert deleted.json() == {"id": r.id, "object": "response", "deleted": True}
+    for gone in (r.id, unstored.id, "resp_0123", "../etc"):
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(gone)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [{"type": "web_search_preview"}]}, "tools[0].type"),
+    ({"background": True}, "background"),
+    ({"reasoning": {"summary": "auto"}}, "reasoning"),
+    ({"input": [{"type": "computer_call_output", "call_id": "c"}]}, "input[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+     "input[0].content[0]"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+    ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": "nope"}}}, "text"),
+])
+def test_bad_input_is_a_400_naming_the_param(url, body, param):
+    r = httpx.post(f"{url}/v1/responses", json={"model": MODEL, "input": "hi", **body},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error", r.json()
+
+
+def test_memory_store_is_bounded_and_per_owner():
+    import asyncio
+
+    def record(i: int) -> StoredResponse:
+        return StoredResponse({"id": f"resp_{i}", "output": "x" * 100}, [])
+
+    async def run() -> None:
+        store = MemoryResponseStore(StoreConfig(max_bytes=3 * len(record(0).dumps())))
+        for i in range(3):
+            await store.put("a", record(i))
+        assert await store.get("a", "resp_0") is not None    # now the most recently used
+        await store.put("a", record(3))
+        assert await store.get("a", "resp_1") is None and await store.get("a", "resp_0") is not None
+        assert await store.get("b", "resp_0") is None and not await store.delete("b", "resp_0")
+        assert await store.delete("a", "resp_0") and store.bytes == 2 * len(record(0).dumps())
+    asyncio.run(run())
