@@ -2,7 +2,8 @@
 responses stored in a real Redis by --jobs-redis) and the official openai client. Greedy outputs
 are compared with the chat endpoint's for the same messages, since the Responses API is a
 translation of it; streamed events are checked in OpenAI's order; stored responses continue a
-conversation, belong to the key that created them and expire."""
+conversation, belong to the key that created them and expire; function calls go out as items
+and their results come back as items (the shipped chatml_tools template shows tools to SmolLM2)."""
 from __future__ import annotations
 
 import json
@@ -42,6 +43,7 @@ def url(redis, tmp_path_factory):
             return False
     with _process(["serve", "--port", str(port), "--worker-port", str(free_port()), "--model", MODEL,
                    "--dtype", "float32", "--threads", "2", "--served-model-name", MODEL, "--kv-cache-gib", "0.05",
+                   "--chat-template", "chatml_tools", "--tool-call-parser", "hermes", "--enable-auto-tool-choice",
                    "--jobs-redis", redis, "--files-dir", str(tmp_path_factory.mktemp("files")),
                    "--api-key", KEY, "--api-key", OTHER_KEY], ready, 180):
         yield base
@@ -127,6 +129,43 @@ def test_previous_response_id_continues_the_conversation(client):
                                  {"role": "assistant", "content": first.output_text},
                                  {"role": "user", "content": "What is my name?"}], 8)
     assert second.output_text == text
+
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city now.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                           "unit": {"enum": ["celsius", "fahrenheit"]}},
+                          "required": ["city", "unit"], "additionalProperties": False}}
+
+
+def test_a_function_call_and_its_result_over_two_turns(client):
+    kw = dict(model=MODEL, input="What is the weather in Paris?", tools=[WEATHER], max_output_tokens=40,
+              tool_choice={"type": "function", "name": "get_weather"}, temperature=0)
+    first = client.responses.create(**kw)
+    assert first.status == "completed" and [item.type for item in first.output] == ["function_call"]
+    call = first.output[0]
+    assert call.name == "get_weather" and call.call_id and call.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+
+    events = list(client.responses.create(stream=True, **kw))
+    kinds = [e.type for e in events]
+    fragments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     *["response.function_call_arguments.delta"] * len(fragments),
+                     "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert "".join(fragments) == events[-1].response.output[0].arguments == call.arguments
+
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "22 degrees, sunny"}
+    second = client.responses.create(model=MODEL, input=[result], previous_response_id=first.id, tools=[WEATHER],
+                                     tool_choice="none", max_output_tokens=8, temperature=0)
+    chat = client.chat.completions.create(
+        model=MODEL, max_tokens=8, temperature=0, tool_choice="none",
+        tools=[{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}],
+        messages=[{"role": "user", "content": "What is the weather in Paris?"},
+                  {"role": "assistant", "content": None, "tool_calls": [
+                      {"id": call.call_id, "type": "function",
+                       "function": {"name": call.name, "arguments": call.arguments}}]},
+                  {"role": "tool", "tool_call_id": call.call_id, "content": "22 degrees, sunny"}])
+    assert second.output_text == chat.choices[0].message.content and second.output_text
 
 
 def test_stored_responses_belong_to_their_key_and_expire(client, url, redis):
