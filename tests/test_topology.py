@@ -85,3 +85,17 @@ def test_a_worker_role_names_its_engine(tmp_path):
     assert len(workers) == 2 and all(a[a.index("--engine") + 1] == "vllm" for a in workers)
     spec.write_text("roles: {gateway: {port: 1}, worker: {port: 2, engine: native}}")
     assert all("--engine" not in p.argv for p in Topology.load(spec).processes())
+
+
+def test_a_worker_role_sets_its_generation_config(tmp_path):
+    """`generation_config: vllm` reaches `tessera worker` as its flag, as the worker parses it."""
+    from tessera.cli import build_parser
+    from tessera.entrypoints.flags import from_args
+    from tessera.generation_defaults import GenerationConfigSource
+    spec = tmp_path / "t.yaml"
+    spec.write_text("roles: {gateway: {port: 1}, worker: {port: 2, generation_config: vllm}}")
+    (worker,) = [p.argv for p in Topology.load(spec).processes() if p.role == "worker"]
+    assert from_args(GenerationConfigSource, build_parser().parse_args(list(worker))).generation_config == "vllm"
+    spec.write_text("roles: {gateway: {port: 1, generation_config: vllm}, worker: {port: 2}}")
+    with pytest.raises(ConfigError, match="apply to worker roles only"):
+        Topology.load(spec)

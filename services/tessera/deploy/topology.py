@@ -14,7 +14,8 @@ Kubernetes files (deploy/compose/, deploy/k8s/).
 
 A worker role may say which engine it runs: `engine: vllm` (default native) is `tessera worker
 --engine vllm`, vLLM's engine from .venv-vllm (`make setup-vllm`); in rendered files, an image
-built with vLLM. A worker, target_worker or attention_node role may set its engine's limits: max_num_seqs (the
+built with vLLM. A worker role may also say where its default sampling parameters come from
+(`generation_config: vllm`, auto or a directory; `tessera worker --generation-config`). A worker, target_worker or attention_node role may set its engine's limits: max_num_seqs (the
 batch B), max_num_batched_tokens, num_kv_blocks, kv_cache_gib or max_queue_delay_ms. Speculative decoding
 (SwiftSpec) pairs draft_worker replica i with target_worker replica i (equal replicas): the
 draft_worker role names the drafter (`speculative: self:8`) and may set the tree (tree_size,
@@ -54,8 +55,10 @@ SPEC_OPTIONS = {"speculative": "--speculative", "tree_size": "--spec-tree-size",
 # A pipeline's stages and precision (pipeline_shard role); stage 0's micro-batching, as the flags of StageConfig.
 PIPELINE_OPTIONS = {"stages", "plan", "bits", "prefill_micro_batch", "stage_timeout_s"}
 ENGINES = ("native", "vllm")    # what a worker role runs (`engine:`; tessera worker --engine)
+# How a worker role answers requests, as the flags of the same name (`tessera worker --help`).
+WORKER_OPTIONS = ("generation_config",)
 ROLE_OPTIONS = {"replicas", "port", "threads", "micro_batches", "ffn_timeout_s", "experts", "disable_batch_size", "engine",
-                *PIPELINE_OPTIONS,
+                *PIPELINE_OPTIONS, *WORKER_OPTIONS,
                 *ENGINE_OPTIONS, *SPEC_OPTIONS}
 HOST = "127.0.0.1"
 
@@ -153,6 +156,8 @@ class Topology:
                                   "only it takes the tree options")
             if spec.get("engine", "native") not in ENGINES or ("engine" in spec and name != "worker"):
                 raise ConfigError(f"{path}: engine is {' or '.join(ENGINES)}, on a worker role")
+            if name != "worker" and set(spec) & set(WORKER_OPTIONS):
+                raise ConfigError(f"{path}: {sorted(set(spec) & set(WORKER_OPTIONS))} apply to worker roles only")
             if "disable_batch_size" in spec and name != "target_worker":
                 raise ConfigError(f"{path}: disable_batch_size applies to target workers only")
             if (name == "pipeline_shard") != bool(set(spec) & {"stages", "plan"}) or \
@@ -219,7 +224,9 @@ class Topology:
                      "--advertise", place.advertise(role, i)] if self.registry else [])
         if role.name == "worker":
             engine = ["--engine", role.options["engine"]] if role.options.get("engine", "native") != "native" else []
-            return ["worker", *model, *common, *threads, *limits, *engine, *register]
+            serving = [a for k in WORKER_OPTIONS if k in role.options for a in (f"--{k.replace('_', '-')}",
+                                                                                 str(role.options[k]))]
+            return ["worker", *model, *common, *threads, *limits, *engine, *serving, *register]
         if role.name in ("draft_worker", "target_worker"):
             return [role.name.replace("_", "-"), *model, *common, *threads,
                     *(limits if role.name == "target_worker" else []),
