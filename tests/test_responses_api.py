@@ -13,6 +13,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from servers import _process, free_port, redis_url
@@ -221,3 +223,68 @@ def test_memory_store_is_bounded_and_per_owner():
         assert await store.get("b", "resp_0") is None and not await store.delete("b", "resp_0")
         assert await store.delete("a", "resp_0") and store.bytes == 2 * len(record(0).dumps())
     asyncio.run(run())
+
+
+# --- hostile input, in process against the twin worker (tiny random model): never a 500 ----------
+
+@pytest.fixture(scope="module")
+def app(tiny_models):
+    from tessera.async_engine import AsyncEngine
+    from tessera.config import CacheConfig, EngineConfig
+    from tessera.engine import Engine
+    from tessera.entrypoints.gateway.app import create_app
+    from tessera.local_client import LocalWorkerClient
+    engine = AsyncEngine(Engine(EngineConfig(model=tiny_models["llama"], dtype="float32", max_model_len=96,
+                                             cache=CacheConfig(block_size=4, num_blocks=256))))
+    yield create_app(LocalWorkerClient(engine), "tiny")
+    engine.shutdown()
+
+
+def send(app, method: str, path: str, body: bytes | None = None) -> httpx.Response:
+    import asyncio
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw", timeout=60) as c:
+            return await c.request(method, path, content=body, headers={"content-type": "application/json"})
+    return asyncio.run(main())
+
+
+wild = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
+                 st.text(max_size=12), st.lists(st.integers(), max_size=2), st.dictionaries(st.text(max_size=4),
+                                                                                       st.integers(), max_size=2))
+text = st.one_of(st.text(max_size=20), st.sampled_from(["a\ud800b", "resp_0", "x" * 3000]))
+parts = st.lists(st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "input_image"]) | wild},
+                                       optional={"text": text | wild}), max_size=2)
+items = st.lists(st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning"]) | wild,
+    "role": st.sampled_from(["user", "system", "developer", "assistant", "tool"]) | wild,
+    "content": text | parts | wild, "call_id": text | wild, "name": text | wild, "arguments": text | wild,
+    "output": text | parts | wild}), max_size=3)
+formats = st.one_of(wild, st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema"]) | wild},
+                                                optional={"name": text | wild, "schema": wild, "strict": wild}))
+tools = st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search"]) | wild},
+                                       optional={"name": text | wild, "parameters": wild, "strict": wild}), max_size=2)
+responses_bodies = st.fixed_dictionaries({"model": st.sampled_from(["tiny", "other"]), "input": text | items | wild},
+                                         optional={
+    "instructions": text | wild, "tools": tools | wild, "text": st.fixed_dictionaries({"format": formats}) | wild,
+    "tool_choice": st.sampled_from(["none", "auto", "required"]) | st.fixed_dictionaries(
+        {"type": st.just("function") | wild, "name": text | wild}) | wild,
+    "max_output_tokens": st.integers(-1, 6) | wild, "temperature": st.floats(-1, 3) | wild, "top_p": wild,
+    "stream": st.booleans(), "store": st.booleans() | wild, "previous_response_id": text | wild,
+    "metadata": st.dictionaries(text, text, max_size=3) | wild, "reasoning": wild, "background": wild,
+    "include": wild, "truncation": wild, "parallel_tool_calls": wild})
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                   HealthCheck.too_slow])
+@given(body=responses_bodies)
+def test_hostile_bodies_are_refused_in_openais_shape_never_a_500(app, body):
+    r = send(app, "POST", "/v1/responses", json.dumps(body).encode())
+    assert r.status_code < 500, (r.status_code, r.text[:300])
+    if r.status_code >= 400:
+        assert isinstance(r.json()["error"]["message"], str)
+    elif body.get("stream"):
+        last = json.loads(r.text.rstrip().rsplit("data: ", 1)[1])
+        assert last["type"] in ("response.completed", "response.incomplete", "response.failed"), last
+    else:
+        assert r.json()["object"] == "response"

@@ -162,8 +162,11 @@ def chat_tool_choice(choice) -> str | dict | None:
 def response_format(text: dict | None) -> dict | None:
     """text.format -> chat's response_format (the schema checks are the chat path's)."""
     fmt = (text or {}).get("format")
-    if fmt is None or fmt.get("type") == "text":
+    if fmt is None or fmt == {"type": "text"}:
         return None
+    if not isinstance(fmt, dict):
+        raise APIError(400, "text.format: an object such as {\"type\": \"json_schema\", \"name\", \"schema\"} "
+                       "is required", "text")
     if fmt.get("type") == "json_schema":
         spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
         return {"type": "json_schema", "json_schema": spec}
