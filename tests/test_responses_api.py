@@ -288,3 +288,33 @@ def test_hostile_bodies_are_refused_in_openais_shape_never_a_500(app, body):
         assert last["type"] in ("response.completed", "response.incomplete", "response.failed"), last
     else:
         assert r.json()["object"] == "response"
+
+
+def test_both_stores_satisfy_one_protocol(tmp_path):
+    """mypy: each store used as the ResponseStore the routes hold; a store whose get() lacks
+    the owner (so could hand any caller any response) must be refused."""
+    import pathlib
+    import subprocess
+    import sys
+    import textwrap
+    pytest.importorskip("mypy")
+    (tmp_path / "uses.py").write_text(textwrap.dedent("""
+        from tessera.responses_store import MemoryResponseStore, RedisResponseStore, ResponseStore, StoredResponse
+
+        def stores(memory: MemoryResponseStore, redis: RedisResponseStore) -> list[ResponseStore]:
+            return [memory, redis]
+
+        class Ownerless(MemoryResponseStore):
+            async def get(self, response_id: str) -> StoredResponse | None:  # type: ignore[override]
+                return None
+
+        def ownerless(store: Ownerless) -> ResponseStore:
+            return store
+    """))
+    services = pathlib.Path(__file__).resolve().parents[1] / "services"
+    (tmp_path / "mypy.ini").write_text(f"[mypy]\nmypy_path = {services}\nfollow_imports = silent\n"
+                                       "ignore_missing_imports = True\n")
+    out = subprocess.run([sys.executable, "-m", "mypy", "--config-file", "mypy.ini", "--no-incremental", "uses.py"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    errors = [line for line in out.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("uses.py:12:") and '"Ownerless"' in errors[0], out.stdout
