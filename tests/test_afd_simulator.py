@@ -109,3 +109,24 @@ def test_simulator_interpolates_measured_points_and_fits_outside_them(tmp_path):
     assert t_e(16) == pytest.approx(16e-3) and t_e(24) == pytest.approx(16.5e-3)
     assert t_e(512) == pytest.approx(t_e.fit(512)) and t_e(4) == pytest.approx(t_e.fit(4))
     assert t_e.fit(16) < 14e-3   # the line alone would miss the measured 16 ms
+
+
+def test_plan_afd_refuses_a_profile_of_another_machine_kind(tmp_path, capsys):
+    """A profile records its machine; planning with one from another kind of CPU exits 78 and
+    names the command that profiles here, whose copy (FILE.KIND.json) is then used."""
+    from tessera.cli import main
+    from tessera.machine_profiles import recorded_machine
+    rows = [{"batch": b, "t_a_ms": 0.1 * b, "t_e_ms": 2 + 0.05 * b, "t_c_ms": 0.3, "t_o_ms": 1.0} for b in (8, 64)]
+    here = recorded_machine()
+    other = next(k for k in ("zen5", "xeon-amx") if k != here["kind"])
+    taken = {"model": "random:mixtral", "prompt_len": 32, "steps": 48, "transport": "tcp"}
+    path = tmp_path / "p.json"
+    profile = dict(build_profile(rows, layers=4), taken=taken)
+    path.write_text(json.dumps(dict(profile, machine=dict(here, kind=other))))
+    plan = ["plan", "afd", "--profile", str(path), "--out", str(tmp_path / "plan.yaml")]
+    assert main(plan) == 78
+    message = capsys.readouterr().err
+    assert f"profiled on {other}, and this machine is {here['kind']}" in message
+    assert "tessera profile --model random:mixtral --prompt-len 32 --steps 48 --transport tcp" in message
+    (tmp_path / f"p.{here['kind']}.json").write_text(json.dumps(dict(profile, machine=here)))
+    assert main(plan) == 0 and (tmp_path / "plan.yaml").exists()

@@ -195,7 +195,7 @@ def test_roofline_runs_the_kernels_llm_pq_ran():
     assert fast.prefill(3, 2, 512) == pytest.approx(fast.prefill(4, 2, 512), rel=1e-9)
 
 
-def test_profile_pq_fits_a_real_layer(tiny_models, tmp_path, monkeypatch):
+def test_profile_pq_fits_a_real_layer(tiny_models, tmp_path, monkeypatch, capsys):
     """The profile's code path on a tiny random Llama (2 layers: bits 16 and 8) at a few
     points; the fitted profile then drives a plan."""
     from types import SimpleNamespace
@@ -226,9 +226,21 @@ def test_profile_pq_fits_a_real_layer(tiny_models, tmp_path, monkeypatch):
     out.write_text(json.dumps({**data, "dtype": "float32"}))
     (tmp_path / "devices.yaml").write_text(f"- {{name: a, type: cpu, memory_gib: 1, profile: {out}}}\n")
     from tessera.cli import main
+    plan = ["plan", "pq", "--devices", str(tmp_path / "devices.yaml"), "--model", tiny_models["llama"],
+            "--batch", "2", "--prompt-len", "8", "--gen-len", "4", "--out", str(tmp_path / "plan.json")]
     with pytest.raises(SystemExit, match="taken in float32"):
-        main(["plan", "pq", "--devices", str(tmp_path / "devices.yaml"), "--model", tiny_models["llama"],
-              "--batch", "2", "--prompt-len", "8", "--gen-len", "4"])
+        main(plan)
+    # taken on another kind of CPU: refused (exit 78), naming the command that profiles here;
+    # the copy that command writes beside it is used instead
+    here = data["machine"]["kind"]
+    other = next(k for k in ("zen5", "xeon-amx") if k != here)
+    out.write_text(json.dumps({**data, "machine": {**data["machine"], "kind": other}}))
+    assert main(plan) == 78
+    message = capsys.readouterr().err
+    assert f"profiled on {other}, and this machine is {here}" in message
+    assert f"tessera profile-pq --model {tiny_models['llama']} --threads 1 --bits 16,8 --group-size 32" in message
+    (tmp_path / f"prof.{here}.json").write_text(json.dumps(data))
+    assert main(plan) == 0
 
 
 def test_plan_pq_cli_writes_a_valid_plan(tmp_path, capsys):

@@ -17,8 +17,9 @@ import pathlib
 import yaml
 
 from tessera.disagg import planner
-from tessera.disagg.profile import load_profile
+from tessera.disagg.profile import profile_model, remake_command
 from tessera.disagg.simulator import simulate
+from tessera.machine_profiles import for_this_machine
 
 
 def add_args(p) -> None:
@@ -39,7 +40,9 @@ def plan_here(a) -> dict:
     """BALANCE gives the attention nodes per expert node (k1 / k3); then the simulator, fed by
     the profile, picks the (m, B) with the most tokens/s under the SLO for that deployment
     (the expert node serving each attention node's micro-batches in turn, as it does)."""
-    model = load_profile(a.profile)
+    taken = json.loads(pathlib.Path(a.profile).read_text()).get("taken", {})
+    _, data = for_this_machine(a.profile, remake_command(taken))
+    model = profile_model(data)
     n_a = max(1, round(model.t_a.slope / model.t_e.slope)) if model.t_e.slope > 0 else 1
     candidates = []
     for m in range(1, 5):

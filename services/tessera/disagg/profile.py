@@ -18,6 +18,7 @@ import pathlib
 
 from tessera.disagg.measure import BENCH_MODEL, Window, afd_row, expert_node
 from tessera.disagg.simulator import Linear, Measured, StepModel, micro_batch_sizes
+from tessera.machine_profiles import recorded_machine
 
 
 def fit(xs: list[float], ys: list[float]) -> Linear:
@@ -45,6 +46,13 @@ def profile_sizes(batch: int, micro_batches: list[int], extra: list[int] = ()) -
     """Every micro-batch size the simulator asks about for `batch` split m ways (so it
     interpolates nothing there), plus `extra` points for the linear fits."""
     return sorted({b for m in micro_batches for b in micro_batch_sizes(batch, m)} | set(extra))
+
+
+def remake_command(taken: dict) -> str:
+    """The command that measures a profile taken with these settings again on this machine."""
+    flags = {"model": "--model", "batch": "--batch", "micro_batches": "--micro-batches", "batches": "--batches",
+             "prompt_len": "--prompt-len", "steps": "--steps", "transport": "--transport"}
+    return " ".join(["tessera profile", *(f"{flag} {taken[k]}" for k, flag in flags.items() if k in taken)])
 
 
 def load_profile(path: str | os.PathLike) -> StepModel:
@@ -90,7 +98,9 @@ def main(a) -> int:
                           [int(x) for x in a.batches.split(",") if x])
     rows = measure(a.model, sizes, a.prompt_len, a.steps, a.transport, lambda r: print(r, flush=True))
     profile = build_profile(rows, rows[0]["layers"])
-    profile["taken"] = {"model": a.model, "prompt_len": a.prompt_len, "steps": a.steps, "transport": a.transport}
+    profile["taken"] = {"model": a.model, "prompt_len": a.prompt_len, "steps": a.steps, "transport": a.transport,
+                        "batch": a.batch, "micro_batches": a.micro_batches, "batches": a.batches}
+    profile["machine"] = recorded_machine()
     pathlib.Path(a.out).write_text(json.dumps(profile, indent=1))
     print(f"wrote {a.out}: " + ", ".join(f"{k} = {v['slope_s_per_token'] * 1e6:.1f} us/token + "
                                           f"{v['intercept_s'] * 1e3:.2f} ms" for k, v in profile["fits"].items()))

@@ -17,11 +17,13 @@ import json
 import pathlib
 from dataclasses import replace
 
+from tessera.machine_profiles import for_this_machine
 from tessera.pipeline.costmodel import SHAPES, MemoryModel, ModelShape, ProfiledLatency, shape_from_config
 from tessera.pipeline.roofline import Roofline
 from tessera.pipeline.devices import Cluster, load_cluster, load_gpu_specs
 from tessera.pipeline.ilp import Infeasible
 from tessera.pipeline.plan import Plan, PlanError, validate
+from tessera.pipeline.profile import remake_command
 from tessera.pipeline.planner import CostModel, LatencyModel, Workload, plan_all, plan_method
 
 
@@ -72,12 +74,12 @@ def latency_models(cluster: Cluster, memory: MemoryModel) -> dict[str, LatencyMo
             raise SystemExit(f"devices of type {d.type} name different latency sources ({source[d.type]}, {key})")
         if d.type not in out:
             if d.profile:
-                data = json.loads(pathlib.Path(d.profile).read_text())
+                used, data = for_this_machine(d.profile, remake_command(json.loads(pathlib.Path(d.profile).read_text())))
                 where = f"{data.get('cpu', '?')}, {data.get('threads')} thread(s)"
                 try:
                     out[d.type] = ProfiledLatency.from_profile(data, where)
                 except ValueError as e:
-                    raise SystemExit(f"{d.profile}: {e}") from None
+                    raise SystemExit(f"{used}: {e}") from None
             else:
                 out[d.type] = Roofline(load_gpu_specs()[str(d.gpu)], memory)
     return out

@@ -17,6 +17,8 @@ import random
 import statistics
 import time
 
+from tessera.machine_profiles import recorded_machine
+
 PREFILL = [(b, s) for b in (1, 2, 4, 8, 16) for s in (32, 64, 128)]
 # b on both sides of every kernel change (layers/quant.py: decode_regimes: 2, 4 and 16 rows here)
 DECODE = [(b, s, i) for b in (1, 2, 3, 4, 5, 6, 8, 12, 16, 17, 20, 32, 48, 64)
@@ -205,6 +207,12 @@ def fit_points(points: dict, bits: list[int], regimes: dict[int, tuple[tuple[int
             "held_out_error_pct": {"mean_abs": statistics.mean(errors), "max_abs": max(errors)}}
 
 
+def remake_command(profile: dict) -> str:
+    """The command that measures `profile` again on this machine."""
+    return (f"tessera profile-pq --model {profile['model']} --threads {profile['threads']} "
+            f"--bits {','.join(str(b) for b in profile['bits'])} --group-size {profile['group_size']}")
+
+
 def cpu_name() -> str:
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
@@ -237,7 +245,7 @@ def main(a) -> int:
     points = measure(model_at, bits, a.reps,
                      neighbour=lambda bw: (neighbours, a.model, bw, a.group_size, PROFILE_DTYPE, a.threads))
     profile = {"kind": "tessera pq profile", "model": a.model, "dtype": str(dtype).removeprefix("torch."),
-               "cpu": cpu_name(), "threads": a.threads, "cores_allowed": len(os.sched_getaffinity(0)),
+               "cpu": cpu_name(), "machine": recorded_machine(), "threads": a.threads, "cores_allowed": len(os.sched_getaffinity(0)),
                "busy_neighbours": neighbours,
                "group_size": a.group_size, "bits": bits, "points": points,
                **fit_points(points, bits, {bw: decode_regimes(bw, dtype) for bw in bits})}
