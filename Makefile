@@ -25,10 +25,11 @@ serve: setup
 # heap behind them that would otherwise add up in one process past what a 24 GiB machine has.
 TESTS_FIRST := $(sort $(wildcard tests/test_[a-l]*.py))
 TESTS_SECOND := $(filter-out $(TESTS_FIRST),$(sort $(wildcard tests/test_*.py)))
+# --durations: each run names its slowest tests, where the suite's time goes.
 
 test: setup-dev docs
-	$(BIN)/python -m pytest -q $(TESTS_FIRST); first=$$?; \
-	$(BIN)/python -m pytest -q $(TESTS_SECOND) && exit $$first
+	$(BIN)/python -m pytest -q --durations=20 $(TESTS_FIRST); first=$$?; \
+	$(BIN)/python -m pytest -q --durations=20 $(TESTS_SECOND) && exit $$first
 
 # The documentation site (docs/, mkdocs.yml); --strict: a broken link or anchor fails the build.
 # The CLI and OpenAPI reference pages are generated from the code as it builds (docs/hooks/).
