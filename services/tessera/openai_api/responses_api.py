@@ -174,8 +174,8 @@ def response_format(text: dict | None) -> dict | None:
 
 
 def output_items(rid: str, text: str, tool_calls: list[dict], status: str) -> list[dict]:
-    """The message (when there is text or nothing else) and one function_call item per call.
-    Ids derive from the request id, so the stream's events and the final object agree."""
+    """The message (when there is text or nothing else) and one function_call item per call, each
+    with the response's status ("incomplete" when max_output_tokens cut it). Ids derive from the request id, so the stream's events and the final object agree."""
     items = []
     if text or not tool_calls:
         items.append({"type": "message", "id": f"msg_{rid}", "status": status, "role": "assistant",
@@ -183,7 +183,7 @@ def output_items(rid: str, text: str, tool_calls: list[dict], status: str) -> li
     for i, call in enumerate(tool_calls):
         items.append({"type": "function_call", "id": f"fc_{rid}_{i}", "call_id": call.get("id") or f"call_{rid}_{i}",
                       "name": call["function"]["name"], "arguments": call["function"].get("arguments", ""),
-                      "status": "completed"})
+                      "status": status})
     return items
 
 

@@ -64,7 +64,7 @@ class _Items:
     def close(self, status: str) -> list[dict]:
         events = self._close_message(status)
         for item in self.calls.values():
-            item["status"] = "completed"
+            item["status"] = status
             events += [self.event("response.function_call_arguments.done", **self._at(item),
                                   arguments=item["arguments"]),
                        self.event("response.output_item.done", output_index=self.output.index(item), item=dict(item))]
