@@ -52,6 +52,8 @@ def cmd_worker(a: argparse.Namespace) -> int:
     from tessera.entrypoints import vllm_worker, worker
     choice = from_args(vllm_worker.EngineChoice, a)   # --engine vllm: vLLM's engine, from .venv-vllm
     generation = from_args(GenerationConfigSource, a)
+    if choice.engine == "vllm":
+        _without_chat_flags(a, "--engine vllm")
     main = (lambda *rest: vllm_worker.main(choice, *rest, generation=generation)) if choice.engine == "vllm" else \
         (lambda *rest: worker.main(*rest, generation=generation, chat=from_args(ChatConfig, a)))
     return main(from_args(EngineConfig, a), a.host, a.port, _registration(a), a.metrics_port, a.shutdown_grace_s)
@@ -88,8 +90,16 @@ def cmd_draft_worker(a: argparse.Namespace) -> int:
                 a.metrics_port, a.shutdown_grace_s)
 
 
+def _without_chat_flags(a: argparse.Namespace, where: str) -> None:
+    """A process that would not apply --chat-template / --tool-call-parser refuses them rather
+    than serve without them."""
+    if from_args(ChatConfig, a) != ChatConfig():
+        raise ConfigError(f"--chat-template, --tool-call-parser: not supported with {where} yet")
+
+
 def cmd_pipeline_shard(a: argparse.Namespace) -> int:
     from tessera.entrypoints.pipeline_shard import main
+    _without_chat_flags(a, "pipeline-shard")
     return main(from_args(EngineConfig, a), from_args(StageConfig, a), a.host, a.port, _registration(a),
                 a.metrics_port, a.shutdown_grace_s)
 
