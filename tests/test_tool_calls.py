@@ -82,6 +82,9 @@ HERMES_TWO = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {
      '{"name": "get_time", "arguments": {"zone": "CET"}}]', "Checking.",
      [("get_time", {"zone": "UTC"}), ("get_time", {"zone": "CET"})]),
     ("mistral", '[TOOL_CALLS][{"name": "get_time", "arguments": ', '[TOOL_CALLS][{"name": "get_time", "arguments": ', []),
+    ("mistral", '[{"name": "get_time", "arguments": {"zone": "UTC"}}]', None,     # [TOOL_CALLS] dropped as special
+     [("get_time", {"zone": "UTC"})]),
+    ("mistral", "[1] says no.", "[1] says no.", []),
 ])
 def test_parser_reads_its_format(parser, text, content, calls):
     plan = ToolPlan("auto", parser)

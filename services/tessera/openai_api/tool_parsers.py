@@ -5,7 +5,8 @@ names (vLLM's parsers of the same names read the same formats):
                chatml_tools template), one block per call
   llama3_json  text <|python_tag|>{"name": ..., "parameters": {...}}; ... or the output beginning with
                that JSON (Llama 3.1-3.3), calls separated by ";"
-  mistral      text [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...] (Mistral v3 tokenizers)
+  mistral      text [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...], or the output beginning with
+               that list (Mistral v3 tokenizers)
 
 Text before the first call is the message content. An output whose calls do not all parse is
 left whole as content with no calls, as vLLM leaves it: a truncated or malformed call is never
@@ -35,20 +36,22 @@ class Parsed(NamedTuple):
 class ToolParser:
     markers: tuple[str, ...]              # any of these starts the calls
     read: Callable[[str], list | None]    # the text from the marker on -> call dicts, None if malformed
-    leading_json: bool = False            # an output that begins with "{" (after blanks) is calls too
+    # an output beginning (after blanks) with this is calls too: the worker's detokenizer drops
+    # special tokens, which <|python_tag|> and Mistral's [TOOL_CALLS] are
+    leading: str = ""
     id_kind: str = "openai"               # "mistral": 9 letters and digits, which its template requires
 
     def start(self, text: str) -> int | None:
         """Where the calls begin, or None."""
         found = [i for i in (text.find(m) for m in self.markers) if i >= 0]
-        if self.leading_json and text.lstrip().startswith("{"):
+        if self.leading and text.lstrip().startswith(self.leading):
             found.append(len(text) - len(text.lstrip()))
         return min(found) if found else None
 
     def undecided(self, text: str) -> int:
         """How many characters at the end of `text` (which holds no start yet) may still become
         part of one: blanks (dropped before a call) and a proper prefix of a marker."""
-        if self.leading_json and not text.strip():
+        if self.leading and not text.strip():
             return len(text)
         stripped = text.rstrip()
         keep = max((k for m in self.markers for k in range(1, len(m)) if stripped.endswith(m[:k])), default=0)
@@ -130,6 +133,6 @@ def _mistral(text: str) -> list | None:
 
 PARSERS = {
     "hermes": ToolParser(("<tool_call>",), _hermes),
-    "llama3_json": ToolParser(("<|python_tag|>",), _llama3, leading_json=True),
-    "mistral": ToolParser(("[TOOL_CALLS]",), _mistral, id_kind="mistral"),
+    "llama3_json": ToolParser(("<|python_tag|>",), _llama3, leading="{"),
+    "mistral": ToolParser(("[TOOL_CALLS]",), _mistral, leading="[", id_kind="mistral"),
 }

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from tessera.config import StructuredOutput
 from tessera.openai_api.errors import APIError
 from tessera.openai_api.protocol import ChatCompletionRequest, Tool
+from tessera.openai_api.tool_parsers import PARSERS
 
 _ANY_OBJECT = {"type": "object"}
 _DEFS = ("$defs", "definitions")
@@ -46,6 +47,8 @@ def tool_plan(req: ChatCompletionRequest, parser: str) -> ToolPlan | None:
                        "--tool-call-parser (hermes, llama3_json or mistral; vLLM's --enable-auto-tool-choice is "
                        "accepted beside it); \"none\", \"required\" and a named function work without it",
                        "tool_choice" if req.tool_choice else "tools")
+    if choice == "auto" and parser not in PARSERS:     # a worker newer than this gateway
+        raise APIError(500, f"the worker's tool-call parser {parser[:40]!r} is unknown to this gateway", "tool_choice")
     if choice == "required" and _constrained(req):
         raise APIError(400, "tool_choice \"required\" cannot be combined with response_format or "
                        "structured_outputs: the output must be the calls", "response_format")
