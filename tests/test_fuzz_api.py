@@ -20,7 +20,7 @@ from tessera.engine import Engine
 from tessera.entrypoints.gateway.app import create_app
 from tessera.local_client import LocalWorkerClient
 
-PATHS = ["/v1/chat/completions", "/v1/completions"]
+PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/responses"]
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                         HealthCheck.too_slow])
 
