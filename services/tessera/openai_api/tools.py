@@ -92,8 +92,8 @@ def required_schema(tools: list[Tool], parallel: bool) -> dict:
     branches = []
     for t in tools:
         params = copy.deepcopy(t.function.parameters) if t.function.parameters else dict(_ANY_OBJECT)
-        for key in _DEFS:
-            for name, value in (params.pop(key, None) or {}).items():
+        for key in (k for k in _DEFS if isinstance(params.get(k), dict)):   # others: the grammar's 400
+            for name, value in params.pop(key).items():
                 if defs.setdefault(key, {}).setdefault(name, value) != value:
                     raise APIError(400, f"two tools define {key}/{name} differently; rename one", "tools")
         branches.append({"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
