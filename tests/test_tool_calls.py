@@ -186,7 +186,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris, and the time i
 
 
 def chat(client, **kw):
-    return client.chat.completions.create(model="smollm2", messages=kw.pop("messages", ASK), tools=[WEATHER, TIME],
+    return client.chat.completions.create(model="smollm2", messages=kw.pop("messages", ASK),
+                                          tools=kw.pop("tools", [WEATHER, TIME]),
                                           max_tokens=kw.pop("max_tokens", 80), **kw)
 
 
@@ -267,6 +268,8 @@ def test_auto_reads_the_hermes_format_the_model_writes(client):
 @pytest.mark.parametrize("kw, param", [
     (dict(tool_choice={"type": "function", "function": {"name": "launch_rocket"}}), "tool_choice"),
     (dict(tool_choice="required", response_format={"type": "json_object"}), "response_format"),
+    (dict(tool_choice="required", tools=[{"type": "function", "function": {      # a keyword no grammar takes
+        "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "strin"}}}}}]), "tools"),
 ])
 def test_refusals_are_400_naming_the_field(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
