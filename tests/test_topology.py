@@ -87,15 +87,21 @@ def test_a_worker_role_names_its_engine(tmp_path):
     assert all("--engine" not in p.argv for p in Topology.load(spec).processes())
 
 
-def test_a_worker_role_sets_its_generation_config(tmp_path):
-    """`generation_config: vllm` reaches `tessera worker` as its flag, as the worker parses it."""
+def test_a_worker_role_sets_how_it_answers(tmp_path):
+    """generation_config, chat_template and tool_call_parser reach `tessera worker` as its flags,
+    as the worker parses them."""
+    from tessera.chat_config import ChatConfig
     from tessera.cli import build_parser
     from tessera.entrypoints.flags import from_args
     from tessera.generation_defaults import GenerationConfigSource
     spec = tmp_path / "t.yaml"
-    spec.write_text("roles: {gateway: {port: 1}, worker: {port: 2, generation_config: vllm}}")
+    spec.write_text("roles: {gateway: {port: 1}, worker: {port: 2, generation_config: vllm,"
+                    " chat_template: chatml_tools, tool_call_parser: hermes}}")
     (worker,) = [p.argv for p in Topology.load(spec).processes() if p.role == "worker"]
-    assert from_args(GenerationConfigSource, build_parser().parse_args(list(worker))).generation_config == "vllm"
+    args = build_parser().parse_args(list(worker))
+    assert from_args(GenerationConfigSource, args).generation_config == "vllm"
+    chat = from_args(ChatConfig, args)
+    assert (chat.chat_template, chat.tool_call_parser) == ("chatml_tools", "hermes")
     spec.write_text("roles: {gateway: {port: 1, generation_config: vllm}, worker: {port: 2}}")
     with pytest.raises(ConfigError, match="apply to worker roles only"):
         Topology.load(spec)

@@ -15,7 +15,8 @@ Kubernetes files (deploy/compose/, deploy/k8s/).
 A worker role may say which engine it runs: `engine: vllm` (default native) is `tessera worker
 --engine vllm`, vLLM's engine from .venv-vllm (`make setup-vllm`); in rendered files, an image
 built with vLLM. A worker role may also say where its default sampling parameters come from
-(`generation_config: vllm`, auto or a directory; `tessera worker --generation-config`). A worker, target_worker or attention_node role may set its engine's limits: max_num_seqs (the
+(`generation_config: vllm`, auto or a directory; `tessera worker --generation-config`), its chat
+template and tool-call parser (`chat_template: chatml_tools`, `tool_call_parser: hermes`). A worker, target_worker or attention_node role may set its engine's limits: max_num_seqs (the
 batch B), max_num_batched_tokens, num_kv_blocks, kv_cache_gib or max_queue_delay_ms. Speculative decoding
 (SwiftSpec) pairs draft_worker replica i with target_worker replica i (equal replicas): the
 draft_worker role names the drafter (`speculative: self:8`) and may set the tree (tree_size,
@@ -56,7 +57,7 @@ SPEC_OPTIONS = {"speculative": "--speculative", "tree_size": "--spec-tree-size",
 PIPELINE_OPTIONS = {"stages", "plan", "bits", "prefill_micro_batch", "stage_timeout_s"}
 ENGINES = ("native", "vllm")    # what a worker role runs (`engine:`; tessera worker --engine)
 # How a worker role answers requests, as the flags of the same name (`tessera worker --help`).
-WORKER_OPTIONS = ("generation_config",)
+WORKER_OPTIONS = ("generation_config", "chat_template", "tool_call_parser")
 ROLE_OPTIONS = {"replicas", "port", "threads", "micro_batches", "ffn_timeout_s", "experts", "disable_batch_size", "engine",
                 *PIPELINE_OPTIONS, *WORKER_OPTIONS,
                 *ENGINE_OPTIONS, *SPEC_OPTIONS}
