@@ -201,3 +201,33 @@ def test_bench_serve_counts_every_streamed_token(url, endpoint):
     run = subprocess.run(bench + ["--model", "no-such-model"], capture_output=True, text=True, timeout=300)
     report = json.loads(run.stdout)
     assert report["completed"] == 0 and report["failed"] == 3 and report["errors"][0].startswith("404"), report
+
+
+def test_tokenize_and_detokenize_as_the_endpoints_count(client, url):
+    """vLLM's /tokenize counts what the completion and chat endpoints count as the prompt (the
+    chat template applied for messages); /detokenize gives the text back."""
+    prompt = "The capital of France is"
+    r = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": prompt, "return_token_strs": True}).json()
+    done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    assert r["count"] == len(r["tokens"]) == done.usage.prompt_tokens and r["max_model_len"] == 2048
+    assert "".join(r["token_strs"]) == prompt
+    assert httpx.post(url + "/detokenize", json={"model": MODEL, "tokens": r["tokens"]}).json() == {"prompt": prompt}
+    chat = httpx.post(url + "/tokenize", json={"messages": FRANCE}).json()
+    answer = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=1, temperature=0)
+    assert chat["count"] == answer.usage.prompt_tokens and chat["token_strs"] is None
+    text = httpx.post(url + "/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"]
+    assert "What is the capital of France?" in text and text.rstrip().endswith("assistant")
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
+    ("/detokenize", {"tokens": ["a"]}, 400, None),
+    ("/tokenize", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False}, 400,
+     "add_generation_prompt"),
+])
+def test_tokenize_refusals(url, path, body, status, param):
+    r = httpx.post(url + path, json=body)
+    assert r.status_code == status, r.text
+    if param is not None:
+        assert r.json()["error"]["param"] == param

@@ -318,3 +318,9 @@ def test_both_stores_satisfy_one_protocol(tmp_path):
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     errors = [line for line in out.stdout.splitlines() if ": error:" in line]
     assert len(errors) == 1 and errors[0].startswith("uses.py:12:") and '"Ownerless"' in errors[0], out.stdout
+
+
+def test_tokenize_needs_a_key_where_the_gateway_has_keys(url):
+    assert httpx.post(url + "/tokenize", json={"prompt": "hi"}).status_code == 401
+    r = httpx.post(url + "/tokenize", json={"prompt": "hi"}, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200 and r.json()["count"] >= 1

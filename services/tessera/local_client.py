@@ -7,7 +7,7 @@ from typing import AsyncIterator
 
 from tessera.async_engine import AsyncEngine
 from tessera.generation_defaults import GenerationDefaults
-from tessera.worker_api import GenerateChunk, GenerateInput, WorkerInfo
+from tessera.worker_api import GenerateChunk, GenerateInput, Tokenized, TokenizeInput, WorkerInfo
 
 
 class LocalWorkerClient:
@@ -27,6 +27,12 @@ class LocalWorkerClient:
     async def info(self, timeout_s: float = 5.0) -> WorkerInfo:
         """Answers at once (no network): timeout_s is there for the WorkerClient interface."""
         return replace(self.engine.info(), generation_defaults=self.generation_defaults)
+
+    async def tokenize(self, request: TokenizeInput, timeout_s: float = 30.0) -> Tokenized:
+        return self.engine.processor.tokenize(request, self.engine.info().max_model_len)
+
+    async def detokenize(self, token_ids: tuple[int, ...], timeout_s: float = 30.0) -> str:
+        return self.engine.processor.detokenize(token_ids)
 
     async def close(self) -> None:
         return None

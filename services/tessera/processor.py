@@ -8,7 +8,7 @@ from functools import lru_cache
 from transformers import PreTrainedTokenizerBase
 
 from tessera import chat_template
-from tessera.worker_api import GenerateInput, InvalidRequest
+from tessera.worker_api import GenerateInput, InvalidRequest, Tokenized, TokenizeInput
 
 
 class Processor:
@@ -17,14 +17,26 @@ class Processor:
         self._byte_decoder = _byte_decoder() if _is_byte_level(tokenizer) else None
         self.token_bytes = lru_cache(maxsize=65536)(self._token_bytes)
 
-    def prompt_ids(self, request: GenerateInput) -> list[int]:
-        if request.token_ids is not None:
+    def prompt_ids(self, request: GenerateInput | TokenizeInput, add_special_tokens: bool = True) -> list[int]:
+        """A request's prompt as the engine runs it (and /tokenize reports it)."""
+        if getattr(request, "token_ids", None) is not None:
             return list(request.token_ids)
         if request.messages is not None:
             if self.tokenizer.chat_template is None:
                 raise InvalidRequest("this model has no chat template; use /v1/completions", "messages")
             return chat_template.prompt_ids(self.tokenizer, request.messages, request.tools)
-        return list(self.tokenizer(request.text or "", add_special_tokens=True)["input_ids"])
+        return list(self.tokenizer(request.text or "", add_special_tokens=add_special_tokens)["input_ids"])
+
+    def tokenize(self, request: TokenizeInput, max_model_len: int) -> Tokenized:
+        ids = self.prompt_ids(request, request.add_special_tokens)
+        return Tokenized(tuple(ids), tuple(self.token_text(t) for t in ids), max_model_len)
+
+    def detokenize(self, token_ids: tuple[int, ...]) -> str:
+        vocab = len(self.tokenizer)
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
+        return self.tokenizer.decode(list(token_ids))
 
     def _token_bytes(self, token_id: int) -> bytes:
         if self._byte_decoder is not None:

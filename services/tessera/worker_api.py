@@ -75,6 +75,23 @@ class GenerateChunk:
 
 
 @dataclass(frozen=True)
+class TokenizeInput:
+    """vLLM's /tokenize: a text, or chat messages (and tools) rendered as a chat request's prompt."""
+
+    text: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    tools: str | None = None          # with messages: a JSON list, as GenerateInput.tools
+    add_special_tokens: bool = True   # text only: the tokenizer's BOS and the like
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    token_ids: tuple[int, ...]
+    tokens: tuple[str, ...]           # each id's text
+    max_model_len: int
+
+
+@dataclass(frozen=True)
 class WorkerInfo:
     model_id: str
     max_model_len: int
@@ -164,6 +181,14 @@ class WorkerClient(Protocol):
 
     async def info(self, timeout_s: float = 5.0) -> WorkerInfo:
         """The worker's model and load; WorkerError (Unavailable) when it does not answer in timeout_s."""
+        ...
+
+    async def tokenize(self, request: TokenizeInput, timeout_s: float = 30.0) -> Tokenized:
+        """The model's token ids for a text or chat messages; InvalidRequest for what it cannot render."""
+        ...
+
+    async def detokenize(self, token_ids: tuple[int, ...], timeout_s: float = 30.0) -> str:
+        """The ids' text; InvalidRequest for an id outside the vocabulary."""
         ...
 
     async def close(self) -> None: ...

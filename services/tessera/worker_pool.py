@@ -22,8 +22,8 @@ import time
 from typing import AsyncIterator, Callable
 
 from tessera.request import Resume
-from tessera.worker_api import (GenerateChunk, GenerateInput, Misconfigured, Saturated, Unavailable,
-                                WorkerClient, WorkerError, WorkerInfo)
+from tessera.worker_api import (GenerateChunk, GenerateInput, InvalidRequest, Misconfigured, Saturated, Tokenized,
+                                TokenizeInput, Unavailable, WorkerClient, WorkerError, WorkerInfo)
 
 log = logging.getLogger("tessera.pool")
 DOWN_FOR_S = 5.0    # a member that failed is skipped this long (or until the registry drops it)
@@ -135,6 +135,25 @@ class WorkerPool:
         for client in list(self.clients.values()):
             try:
                 return await client.info(timeout_s=timeout_s)
+            except WorkerError as e:
+                error = e
+        raise error
+
+    async def tokenize(self, request: TokenizeInput, timeout_s: float = 30.0) -> Tokenized:
+        return await self._any(lambda c: c.tokenize(request, timeout_s))
+
+    async def detokenize(self, token_ids: tuple[int, ...], timeout_s: float = 30.0) -> str:
+        return await self._any(lambda c: c.detokenize(token_ids, timeout_s))
+
+    async def _any(self, call):
+        """call(client) on the first member that answers (they serve the same model); a refusal
+        of the request itself (InvalidRequest) is the answer, not a reason to ask another."""
+        error: WorkerError = Unavailable("no worker is available")
+        for client in list(self.clients.values()):
+            try:
+                return await call(client)
+            except InvalidRequest:
+                raise
             except WorkerError as e:
                 error = e
         raise error

@@ -111,11 +111,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def _outputs(self, request, log_id: str | None):
         """One generation's chunks; its failure as a WorkerError."""
         logs.request_id.set(log_id or request.request_id)
-        t0, tokens, finish = time.monotonic(), 0, None
+        t0, tokens, finish, prompt = time.monotonic(), 0, None, None
         try:
             req = convert.generate_request_from_proto(request)
-            logs.event(log, "generate", prompt_tokens=len(req.token_ids or ()), max_tokens=req.sampling.max_tokens)
+            logs.event(log, "generate", prompt="messages" if req.messages is not None else
+                       "token_ids" if req.token_ids is not None else "text", max_tokens=req.sampling.max_tokens)
             async for chunk in self.engine.generate(req):
+                prompt = chunk.prompt_tokens if prompt is None else prompt   # counted once tokenized
                 tokens += len(chunk.token_ids)
                 finish = chunk.finish_reason or finish
                 yield chunk
@@ -125,12 +127,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             logs.event(log, "generate failed", error=str(e))
             raise
         finally:
-            logs.event(log, "generate done", completion_tokens=tokens, finish_reason=finish,
+            logs.event(log, "generate done", prompt_tokens=prompt, completion_tokens=tokens, finish_reason=finish,
                        duration_ms=round((time.monotonic() - t0) * 1000, 1))
 
     async def Abort(self, request, context):
         self.engine.abort(request.request_id)
         return worker_pb2.AbortResponse(found=True)
+
+    async def Tokenize(self, request, context):
+        try:
+            req = convert.tokenize_request_from_proto(request)
+            return convert.tokenized_to_proto(self.engine.processor.tokenize(req, self.engine.info().max_model_len))
+        except WorkerError as e:
+            await context.abort(*convert.error_to_status(e))
+
+    async def Detokenize(self, request, context):
+        try:
+            return worker_pb2.DetokenizeResponse(text=self.engine.processor.detokenize(tuple(request.token_ids)))
+        except WorkerError as e:
+            await context.abort(*convert.error_to_status(e))
 
     async def Info(self, request, context):
         return convert.info_to_proto(replace(

@@ -10,8 +10,8 @@ import grpc
 from tessera import logs, mtls
 from tessera.rpc import convert, options
 from tessera.rpc.v1 import worker_pb2, worker_pb2_grpc
-from tessera.worker_api import (GenerateChunk, GenerateInput, InvalidRequest, Misconfigured, Unavailable, WorkerError,
-                                WorkerInfo)
+from tessera.worker_api import (GenerateChunk, GenerateInput, InvalidRequest, Misconfigured, Tokenized, TokenizeInput,
+                                Unavailable, WorkerError, WorkerInfo)
 
 # Statuses no retry on the same worker fixes: it refuses this gateway (its role may not call it,
 # an RPC it lacks, credentials it does not take). A certificate of another CA fails the TLS
@@ -142,6 +142,21 @@ class GrpcWorkerClient:
         try:
             reply = await self._stub.Info(worker_pb2.InfoRequest(), timeout=timeout_s)
             return convert.info_from_proto(reply)
+        except grpc.aio.AioRpcError as e:
+            raise _error(e.code(), e.details()) from None
+
+    async def tokenize(self, request: TokenizeInput, timeout_s: float = 30.0) -> Tokenized:
+        try:
+            reply = await self._stub.Tokenize(convert.tokenize_request_to_proto(request), timeout=timeout_s)
+            return convert.tokenized_from_proto(reply)
+        except grpc.aio.AioRpcError as e:
+            raise _error(e.code(), e.details()) from None
+
+    async def detokenize(self, token_ids: tuple[int, ...], timeout_s: float = 30.0) -> str:
+        try:
+            reply = await self._stub.Detokenize(worker_pb2.DetokenizeRequest(token_ids=list(token_ids)),
+                                                timeout=timeout_s)
+            return reply.text
         except grpc.aio.AioRpcError as e:
             raise _error(e.code(), e.details()) from None
 

@@ -15,8 +15,8 @@ from tessera.request import RequestTimings, Resume
 from tessera.rpc.v1 import common_pb2, draft_pb2, expert_pb2, pipeline_pb2, worker_pb2
 from tessera.spec.tree import Draft
 from tessera.worker_api import (ChatMessage, ContextLengthExceeded, GenerateChunk, GenerateInput, InternalError,
-                                InvalidRequest, Saturated, TokenLogprobInfo, ToolCall, TopToken, Unavailable,
-                                WorkerError, WorkerInfo)
+                                InvalidRequest, Saturated, Tokenized, TokenizeInput, TokenLogprobInfo, ToolCall,
+                                TopToken, Unavailable, WorkerError, WorkerInfo)
 
 
 def sampling_to_proto(sp: SamplingParams) -> common_pb2.SamplingParams:
@@ -83,6 +83,32 @@ def generate_request_from_proto(msg: worker_pb2.GenerateRequest) -> GenerateInpu
         messages=tuple(chat_message_from_proto(m) for m in msg.chat.messages) if kind == "chat" else None,
         tools=(msg.chat.tools_json or None) if kind == "chat" else None,
         resume=Resume(tuple(msg.resume.output_token_ids), msg.resume.text_sent) if msg.HasField("resume") else None)
+
+
+def tokenize_request_to_proto(req: TokenizeInput) -> worker_pb2.TokenizeRequest:
+    msg = worker_pb2.TokenizeRequest(add_special_tokens=req.add_special_tokens)
+    if req.messages is not None:
+        msg.chat.CopyFrom(common_pb2.ChatPrompt(messages=[chat_message_to_proto(m) for m in req.messages],
+                                                add_generation_prompt=True, tools_json=req.tools or ""))
+    else:
+        msg.text = req.text or ""
+    return msg
+
+
+def tokenize_request_from_proto(msg: worker_pb2.TokenizeRequest) -> TokenizeInput:
+    if msg.WhichOneof("prompt") == "chat":
+        return TokenizeInput(messages=tuple(chat_message_from_proto(m) for m in msg.chat.messages),
+                             tools=msg.chat.tools_json or None, add_special_tokens=msg.add_special_tokens)
+    return TokenizeInput(text=msg.text, add_special_tokens=msg.add_special_tokens)
+
+
+def tokenized_to_proto(t: Tokenized) -> worker_pb2.TokenizeResponse:
+    return worker_pb2.TokenizeResponse(token_ids=list(t.token_ids), tokens=list(t.tokens),
+                                       max_model_len=t.max_model_len)
+
+
+def tokenized_from_proto(msg: worker_pb2.TokenizeResponse) -> Tokenized:
+    return Tokenized(tuple(msg.token_ids), tuple(msg.tokens), msg.max_model_len)
 
 
 def chat_message_to_proto(m: ChatMessage | tuple[str, str]) -> common_pb2.ChatMessage:

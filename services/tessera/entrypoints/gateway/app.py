@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP gateway (FastAPI) in front of one WorkerClient.
 
 Routes: GET /v1/models, POST /v1/chat/completions and /v1/completions (JSON or SSE),
+/v1/responses (responses_routes.py), POST /tokenize and /detokenize (tokenize_routes.py),
 GET /health (deep: one token through the engine loop), /health/live (the process answers),
 /health/ready (a worker answers), GET /metrics (Prometheus); with batch=..., OpenAI's Files and
 Batch APIs (/v1/files, /v1/batches: batch_api.py).
@@ -26,6 +27,7 @@ from tessera.config import SamplingParams
 from tessera.entrypoints.gateway.admission import Admission, AdmissionConfig, Ticket
 from tessera.entrypoints.gateway.responses import chat_body, completion_body
 from tessera.entrypoints.gateway.responses_routes import add_responses_routes
+from tessera.entrypoints.gateway.tokenize_routes import PATHS as TOKENIZE_PATHS, add_tokenize_routes
 from tessera.generation_defaults import GenerationDefaults
 from tessera.metrics import GatewayMetrics
 from tessera.openai_api.errors import APIError, error_body, error_response, validation_message
@@ -65,6 +67,7 @@ def create_app(client: WorkerClient, model_name: str, background=(), admission: 
     _add_middleware_and_errors(app, metrics, admission, batch.body_limits if batch is not None else {})
     _add_openai_routes(app, client, metrics, model_name, admission, _Defaults(client))
     add_responses_routes(app, batch)
+    add_tokenize_routes(app, client, model_name, admission.config.max_messages)
     if batch is not None:
         app.include_router(batch.router)
     _add_ops_routes(app, client, metrics, admission)
@@ -123,7 +126,7 @@ class RequestIdMiddleware:
                            duration_ms=round((time.monotonic() - t0) * 1000, 1))
 
     async def _authenticate(self, scope, headers: dict, path: str) -> APIError | None:
-        if not (path.startswith("/v1/") or path == "/health"):
+        if not (path.startswith("/v1/") or path == "/health" or path in TOKENIZE_PATHS):
             return None
         if BATCH_KEY_SCOPE in scope:
             scope["state"]["api_key"] = scope[BATCH_KEY_SCOPE]
