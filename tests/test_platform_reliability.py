@@ -134,9 +134,17 @@ def test_request_id_reaches_the_worker_logs_as_json(tiny_models, tmp_path):
         r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 3},
                        headers={"X-Request-Id": "trace-me-42"})
         assert r.status_code == 200 and r.headers["x-request-id"] == "trace-me-42"
+        chat = httpx.post(url + "/v1/chat/completions", headers={"X-Request-Id": "trace-me-43"},
+                          json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert chat.status_code == 200
         time.sleep(0.5)
     lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
     mine = [line for line in lines if line.get("request_id", "").startswith("trace-me-42")]
     assert {line["msg"] for line in mine} >= {"generate", "generate done"}, lines[-5:]
     done = next(line for line in mine if line["msg"] == "generate done")
     assert done["completion_tokens"] == 3 and done["logger"] == "tessera.worker"
+    assert done["prompt_tokens"] == r.json()["usage"]["prompt_tokens"]
+    # a chat prompt is counted once the worker has rendered and tokenized it, as the usage is
+    done = next(line for line in lines if line.get("request_id", "").startswith("trace-me-43")
+                and line["msg"] == "generate done")
+    assert done["prompt_tokens"] == chat.json()["usage"]["prompt_tokens"] > 0
