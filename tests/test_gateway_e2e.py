@@ -210,7 +210,7 @@ def test_tokenize_and_detokenize_as_the_endpoints_count(client, url):
     r = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": prompt, "return_token_strs": True}).json()
     done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
     assert r["count"] == len(r["tokens"]) == done.usage.prompt_tokens and r["max_model_len"] == 2048
-    assert "".join(r["token_strs"]) == prompt
+    assert "".join(r["token_strs"]).replace("Ġ", " ") == prompt     # vocabulary pieces, as vLLM's
     assert httpx.post(url + "/detokenize", json={"model": MODEL, "tokens": r["tokens"]}).json() == {"prompt": prompt}
     chat = httpx.post(url + "/tokenize", json={"messages": FRANCE}).json()
     answer = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=1, temperature=0)
@@ -221,6 +221,7 @@ def test_tokenize_and_detokenize_as_the_endpoints_count(client, url):
 
 @pytest.mark.parametrize("path, body, status, param", [
     ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [2**31]}, 400, None),          # past protobuf's int32: refused before
     ("/detokenize", {"tokens": ["a"]}, 400, None),
     ("/tokenize", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
     ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False}, 400,

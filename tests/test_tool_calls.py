@@ -85,9 +85,14 @@ HERMES_TWO = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {
     ("mistral", '[{"name": "get_time", "arguments": {"zone": "UTC"}}]', None,     # [TOOL_CALLS] dropped as special
      [("get_time", {"zone": "UTC"})]),
     ("mistral", "[1] says no.", "[1] says no.", []),
+    # JSON answers, not calls: no arguments, or a name no tool has
+    ("llama3_json", '{"name": "Paris", "population": 2100000}', '{"name": "Paris", "population": 2100000}', []),
+    ("mistral", '[{"name": "Alice"}, {"name": "Bob"}]', '[{"name": "Alice"}, {"name": "Bob"}]', []),
+    ("hermes", '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
+     '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', []),
 ])
 def test_parser_reads_its_format(parser, text, content, calls):
-    plan = ToolPlan("auto", parser)
+    plan = ToolPlan("auto", parser, names=("get_weather", "get_time"))
     got_content, got_calls, finish = whole(plan, text)
     assert got_content == content
     assert [(c["name"], json.loads(c["arguments"])) for c in got_calls] == calls
@@ -158,7 +163,7 @@ def test_plan_refusals_name_the_field():
         with pytest.raises(APIError) as e:
             plan(parser, **fields)
         assert (e.value.status, e.value.param) == (400, param), fields
-    assert plan("hermes", tools=[WEATHER]) == ToolPlan("auto", "hermes")
+    assert plan("hermes", tools=[WEATHER]) == ToolPlan("auto", "hermes", names=("get_weather",))
 
 
 def test_chat_config_checks_its_flags(tmp_path):
@@ -241,16 +246,6 @@ def test_history_with_calls_and_results(client):
 
 
 @pytest.mark.e2e
-def test_auto_answers_text_or_calls(client):
-    r = chat(client, temperature=0, max_tokens=12)
-    message = r.choices[0].message
-    if message.tool_calls is None:
-        assert message.content and r.choices[0].finish_reason in ("stop", "length")
-    else:
-        assert r.choices[0].finish_reason == "tool_calls"
-
-
-@pytest.mark.e2e
 def test_auto_reads_the_hermes_format_the_model_writes(client):
     """The output held to the Hermes format by a regex, so this small model writes a call: the
     parser turns it into tool_calls, streamed and not alike."""
@@ -275,3 +270,21 @@ def test_refusals_are_400_naming_the_field(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, **kw)
     assert e.value.body["param"] == param
+
+
+def test_a_deeply_nested_required_schema_is_a_400_naming_tools():
+    from tessera.openai_api.tools import constraint, tool_plan
+    schema: dict = {"type": "object"}
+    for _ in range(600):
+        schema = {"type": "object", "properties": {"a": schema}}
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tool_choice="required",
+                                tools=[{"type": "function", "function": {"name": "f", "parameters": schema}}])
+    with pytest.raises(APIError) as e:
+        constraint(req, tool_plan(req, ""))
+    assert e.value.status == 400 and e.value.param == "tools"
+
+
+def test_an_inline_chat_template_longer_than_a_file_name_is_the_template():
+    from tessera.chat_config import template_text
+    text = "{% for m in messages %}" + "x" * 300 + "/" + "y" * 300 + "{{ m.content }}{% endfor %}"
+    assert template_text(text) == text

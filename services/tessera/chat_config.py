@@ -39,15 +39,21 @@ class ChatConfig:
 def template_text(spec: str) -> str:
     """The template --chat-template names: an existing file, a shipped template's name, or (as
     vLLM takes it) the template text itself, recognised by its Jinja delimiters."""
-    path = pathlib.Path(spec).expanduser()
-    if path.is_file():
-        return _read(path)
-    if (SHIPPED / f"{spec}.jinja").is_file():
+    if _is_file(pathlib.Path(spec).expanduser()):
+        return _read(pathlib.Path(spec).expanduser())
+    if _is_file(SHIPPED / f"{spec}.jinja"):
         return _read(SHIPPED / f"{spec}.jinja")
     if "{{" in spec or "{%" in spec:
         return spec
     raise ConfigError(f"--chat-template {spec[:200]}: no such file, and not a template shipped with Tessera",
                       "chat_template")
+
+
+def _is_file(path: pathlib.Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:       # inline template text: a "path" with parts too long for the file system
+        return False
 
 
 def template_name(spec: str | None) -> str:

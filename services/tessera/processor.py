@@ -29,7 +29,8 @@ class Processor:
 
     def tokenize(self, request: TokenizeInput, max_model_len: int) -> Tokenized:
         ids = self.prompt_ids(request, request.add_special_tokens)
-        return Tokenized(tuple(ids), tuple(self.token_text(t) for t in ids), max_model_len)
+        pieces = self.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else ()
+        return Tokenized(tuple(ids), tuple(pieces), max_model_len)
 
     def detokenize(self, token_ids: tuple[int, ...]) -> str:
         vocab = len(self.tokenizer)

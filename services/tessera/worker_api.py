@@ -82,12 +82,13 @@ class TokenizeInput:
     messages: tuple[ChatMessage, ...] | None = None
     tools: str | None = None          # with messages: a JSON list, as GenerateInput.tools
     add_special_tokens: bool = True   # text only: the tokenizer's BOS and the like
+    return_token_strs: bool = False
 
 
 @dataclass(frozen=True)
 class Tokenized:
     token_ids: tuple[int, ...]
-    tokens: tuple[str, ...]           # each id's text
+    tokens: tuple[str, ...]           # each id's vocabulary piece ("Ġthe"), as vLLM's token_strs; () unless asked
     max_model_len: int
 
 

@@ -130,14 +130,7 @@ class WorkerPool:
             await self.clients[owner[0]].abort(owner[1])
 
     async def info(self, timeout_s: float = 5.0) -> WorkerInfo:
-        """The first member that answers (they serve the same model)."""
-        error: WorkerError = Unavailable("no worker is available")
-        for client in list(self.clients.values()):
-            try:
-                return await client.info(timeout_s=timeout_s)
-            except WorkerError as e:
-                error = e
-        raise error
+        return await self._any(lambda c: c.info(timeout_s=timeout_s))
 
     async def tokenize(self, request: TokenizeInput, timeout_s: float = 30.0) -> Tokenized:
         return await self._any(lambda c: c.tokenize(request, timeout_s))
@@ -146,10 +139,13 @@ class WorkerPool:
         return await self._any(lambda c: c.detokenize(token_ids, timeout_s))
 
     async def _any(self, call):
-        """call(client) on the first member that answers (they serve the same model); a refusal
-        of the request itself (InvalidRequest) is the answer, not a reason to ask another."""
+        """call(client) on the first member that answers (they serve the same model), those
+        not known to be down first; a refusal of the request itself (InvalidRequest) is the
+        answer, not a reason to ask another."""
         error: WorkerError = Unavailable("no worker is available")
-        for client in list(self.clients.values()):
+        now = time.monotonic()
+        members = sorted(self.clients, key=lambda a: self.down_until.get(a, 0) > now)
+        for client in [self.clients[a] for a in members]:
             try:
                 return await call(client)
             except InvalidRequest:

@@ -135,15 +135,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.AbortResponse(found=True)
 
     async def Tokenize(self, request, context):
+        """In a thread: a long text or template must not hold up the streams this loop serves."""
         try:
             req = convert.tokenize_request_from_proto(request)
-            return convert.tokenized_to_proto(self.engine.processor.tokenize(req, self.engine.info().max_model_len))
+            out = await asyncio.to_thread(self.engine.processor.tokenize, req, self.engine.info().max_model_len)
+            return convert.tokenized_to_proto(out)
         except WorkerError as e:
             await context.abort(*convert.error_to_status(e))
 
     async def Detokenize(self, request, context):
         try:
-            return worker_pb2.DetokenizeResponse(text=self.engine.processor.detokenize(tuple(request.token_ids)))
+            text = await asyncio.to_thread(self.engine.processor.detokenize, tuple(request.token_ids))
+            return worker_pb2.DetokenizeResponse(text=text)
         except WorkerError as e:
             await context.abort(*convert.error_to_status(e))
 

@@ -82,7 +82,10 @@ def _calls(items: list | None) -> tuple[ParsedCall, ...] | None:
     for item in items:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             return None
-        args = item.get("arguments", item.get("parameters", {}))
+        key = next((k for k in ("arguments", "parameters") if k in item), None)
+        if key is None:           # {"name": "Paris", "population": ...} is an answer, not a call
+            return None
+        args = item[key]
         if isinstance(args, str):      # some models write the arguments as JSON text
             try:
                 args = json.loads(args)

@@ -71,7 +71,8 @@ class ToolStream:
         if not last:
             return {}
         parsed = self.parser.parse(self.text)
-        if not parsed.calls:
+        # a JSON answer naming no offered function is text (a parser reads any {"name": ...})
+        if not parsed.calls or (self.plan.names and any(c.name not in self.plan.names for c in parsed.calls)):
             return self._content(len(self.text))
         delta = self._content(len(parsed.content or ""))
         calls = parsed.calls if self.plan.parallel else parsed.calls[:1]

@@ -11,7 +11,6 @@ Forced calls are grammar-constrained, so their arguments always parse and match 
 parameter schema (up to max_tokens)."""
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import dataclass
 
@@ -30,6 +29,7 @@ class ToolPlan:
     parser: str = ""            # auto: the worker's --tool-call-parser
     name: str = ""              # named: the function
     parallel: bool = True       # parallel_tool_calls
+    names: tuple[str, ...] = ()  # auto: the functions a parsed call may name (else it is text)
 
 
 def tool_plan(req: ChatCompletionRequest, parser: str) -> ToolPlan | None:
@@ -52,7 +52,8 @@ def tool_plan(req: ChatCompletionRequest, parser: str) -> ToolPlan | None:
     if choice == "required" and _constrained(req):
         raise APIError(400, "tool_choice \"required\" cannot be combined with response_format or "
                        "structured_outputs: the output must be the calls", "response_format")
-    return ToolPlan(choice, parser if choice == "auto" else "", parallel=parallel)
+    return ToolPlan(choice, parser if choice == "auto" else "", parallel=parallel,
+                    names=tuple(t.function.name for t in req.tools))
 
 
 def _named(req: ChatCompletionRequest) -> str:
@@ -82,7 +83,11 @@ def constraint(req: ChatCompletionRequest, plan: ToolPlan | None) -> StructuredO
         schema = tool.function.parameters or _ANY_OBJECT
     else:
         schema = required_schema(req.tools, plan.parallel)
-    return StructuredOutput("json", json.dumps(schema, ensure_ascii=False), param="tools")
+    try:
+        text = json.dumps(schema, ensure_ascii=False)
+    except RecursionError:
+        raise APIError(400, "a function's parameters schema is nested too deeply", "tools") from None
+    return StructuredOutput("json", text, param="tools")
 
 
 def required_schema(tools: list[Tool], parallel: bool) -> dict:
@@ -91,7 +96,9 @@ def required_schema(tools: list[Tool], parallel: bool) -> dict:
     defs: dict = {}
     branches = []
     for t in tools:
-        params = copy.deepcopy(t.function.parameters) if t.function.parameters else dict(_ANY_OBJECT)
+        # the top level only: $defs are moved, nothing nested changes (a deep schema stays a
+        # grammar error, a 400, not a RecursionError here)
+        params = dict(t.function.parameters) if t.function.parameters else dict(_ANY_OBJECT)
         for key in (k for k in _DEFS if isinstance(params.get(k), dict)):   # others: the grammar's 400
             for name, value in params.pop(key).items():
                 if defs.setdefault(key, {}).setdefault(name, value) != value:

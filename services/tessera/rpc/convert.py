@@ -86,7 +86,8 @@ def generate_request_from_proto(msg: worker_pb2.GenerateRequest) -> GenerateInpu
 
 
 def tokenize_request_to_proto(req: TokenizeInput) -> worker_pb2.TokenizeRequest:
-    msg = worker_pb2.TokenizeRequest(add_special_tokens=req.add_special_tokens)
+    msg = worker_pb2.TokenizeRequest(add_special_tokens=req.add_special_tokens,
+                                     return_token_strs=req.return_token_strs)
     if req.messages is not None:
         msg.chat.CopyFrom(common_pb2.ChatPrompt(messages=[chat_message_to_proto(m) for m in req.messages],
                                                 add_generation_prompt=True, tools_json=req.tools or ""))
@@ -98,8 +99,10 @@ def tokenize_request_to_proto(req: TokenizeInput) -> worker_pb2.TokenizeRequest:
 def tokenize_request_from_proto(msg: worker_pb2.TokenizeRequest) -> TokenizeInput:
     if msg.WhichOneof("prompt") == "chat":
         return TokenizeInput(messages=tuple(chat_message_from_proto(m) for m in msg.chat.messages),
-                             tools=msg.chat.tools_json or None, add_special_tokens=msg.add_special_tokens)
-    return TokenizeInput(text=msg.text, add_special_tokens=msg.add_special_tokens)
+                             tools=msg.chat.tools_json or None, add_special_tokens=msg.add_special_tokens,
+                             return_token_strs=msg.return_token_strs)
+    return TokenizeInput(text=msg.text, add_special_tokens=msg.add_special_tokens,
+                         return_token_strs=msg.return_token_strs)
 
 
 def tokenized_to_proto(t: Tokenized) -> worker_pb2.TokenizeResponse:

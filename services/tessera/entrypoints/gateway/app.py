@@ -67,7 +67,7 @@ def create_app(client: WorkerClient, model_name: str, background=(), admission: 
     _add_middleware_and_errors(app, metrics, admission, batch.body_limits if batch is not None else {})
     _add_openai_routes(app, client, metrics, model_name, admission, _Defaults(client))
     add_responses_routes(app, batch)
-    add_tokenize_routes(app, client, model_name, admission.config.max_messages)
+    add_tokenize_routes(app, client, model_name, admission)
     if batch is not None:
         app.include_router(batch.router)
     _add_ops_routes(app, client, metrics, admission)

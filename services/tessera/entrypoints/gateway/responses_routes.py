@@ -9,6 +9,7 @@ import json
 import logging
 import re
 import time
+from contextlib import aclosing
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
@@ -31,7 +32,7 @@ def add_responses_routes(app: FastAPI, batch=None) -> None:
     @app.post("/v1/responses")
     async def create(body: ResponsesRequest, request: Request):
         owner = _owner(request)
-        history = (await _load(store, owner, body.previous_response_id)).conversation \
+        history = (await _load(store, owner, body.previous_response_id, "previous_response_id")).conversation \
             if body.previous_response_id else []
         chat, conversation = to_chat(body, history)
         rid, created_at = request.state.request_id, int(time.time())
@@ -75,10 +76,10 @@ def _owner(request: Request) -> str:
     return key.counter_id if key is not None else PUBLIC_OWNER
 
 
-async def _load(store: ResponseStore, owner: str, response_id: str) -> StoredResponse:
+async def _load(store: ResponseStore, owner: str, response_id: str, param: str = "response_id") -> StoredResponse:
     record = await _call(store.get(owner, response_id)) if _ID.fullmatch(response_id) else None
     if record is None:
-        raise _not_found(response_id)
+        raise _not_found(response_id, param)
     return record
 
 
@@ -100,11 +101,13 @@ async def _call(operation):
         raise APIError(503, "The response store is unavailable; retry later.", None, "store_unavailable", 1) from None
 
 
-def _not_found(response_id: str) -> APIError:
-    return APIError(404, f"Response with id '{response_id[:80]}' not found.", "response_id", "not_found")
+def _not_found(response_id: str, param: str = "response_id") -> APIError:
+    return APIError(404, f"Response with id '{response_id[:80]}' not found.", param, "not_found")
 
 
 async def _sse(events):
-    """OpenAI's framing: each event named on its own `event:` line; no [DONE]."""
-    async for event in events:
-        yield f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+    """OpenAI's framing: each event named on its own `event:` line; no [DONE]. Closed with the
+    response, so a client that leaves aborts the generation and frees its admission at once."""
+    async with aclosing(events):
+        async for event in events:
+            yield f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
