@@ -406,7 +406,7 @@ def test_speculative_topology_pairs_each_target_with_its_draft(tmp_path):
                            "gateway-0"]
     target = procs["target-worker-1"]
     assert target[0] == "target-worker" and target[target.index("--draft-address") + 1] == "127.0.0.1:50082"
-    assert target[target.index("--speculative") + 1] == "self:8" == procs["draft-worker-1"][
+    assert target[target.index("--speculative") + 1] == "self@int4" == procs["draft-worker-1"][
         procs["draft-worker-1"].index("--speculative") + 1]
     spec["roles"]["draft_worker"]["replicas"] = 1
     for bad in (spec, {**spec, "roles": {**spec["roles"], "draft_worker": {"port": 1}}},
