@@ -80,9 +80,10 @@ class RequestIdMiddleware:
     engine's; a client's X-Request-Id is kept for logs and echoed, never used as an id, so two
     clients sending the same one cannot collide), counts /v1/ responses by status, writes one
     access-log line per request, refuses bodies larger than max_body_bytes with 413 (by
-    Content-Length, or while a chunked body arrives), then checks the API key on /v1/ and
-    /health (401) before any route validates the body or looks up the model. Paths in
-    body_limits (uploads) have their own limit, which their route enforces as it streams."""
+    Content-Length, or while a chunked body arrives), then checks the API key on /v1/,
+    /tokenize, /detokenize and /health (401) before any route validates the body or looks up
+    the model. Paths in body_limits (uploads) have their own limit, which their route enforces
+    as it streams."""
 
     def __init__(self, app, metrics: GatewayMetrics, admission: Admission, body_limits: dict[str, int]) -> None:
         self.app, self.metrics, self.admission, self.body_limits = app, metrics, admission, body_limits
