@@ -124,6 +124,12 @@ def test_refusals_name_the_message(tokenizer):
     with pytest.raises(APIError, match="tool_choice") as e:
         chat_inputs(request(tools=[WEATHER]), "r")     # "auto": would need tool calls parsed
     assert e.value.param == "tools"
+    for orphan in ([{"role": "tool", "tool_call_id": "call_1", "content": "22 C"}],
+                   SENT[:1] + [{"role": "tool", "content": "22 C"}],
+                   SENT + [{"role": "tool", "tool_call_id": "call_9", "content": "22 C"}]):
+        with pytest.raises(APIError, match=r"messages\[\d+\]: a tool message must answer") as e:
+            chat_inputs(request(orphan), "r")
+        assert e.value.status == 400 and e.value.param == "messages"
     processor = Processor(tokenizer)
     developer = SENT[:2] + [{"role": "developer", "content": "be kind"}] + SENT[2:]
     with pytest.raises(InvalidRequest, match=r"at messages\[2\] \(role 'developer'\): unsupported role"):
