@@ -111,6 +111,9 @@ def test_text_format_json_schema_streamed_through_the_clients_helper(client):
     assert final.status == "completed" and final.text.format.type == "json_schema"
     jsonschema.validate(json.loads(final.output_text), Answer.model_json_schema())
     assert isinstance(final.output_parsed, Answer)
+    parsed = client.responses.parse(model=MODEL, input="Is grass green? Answer as JSON.", text_format=Answer,
+                                    max_output_tokens=30, temperature=0)
+    assert parsed.status == "completed" and isinstance(parsed.output_parsed, Answer)
 
 
 def test_max_output_tokens_makes_it_incomplete(client):
