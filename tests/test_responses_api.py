@@ -3,11 +3,12 @@ responses stored in a real Redis by --jobs-redis) and the official openai client
 are compared with the chat endpoint's for the same messages, since the Responses API is a
 translation of it; streamed events are checked in OpenAI's order; stored responses continue a
 conversation, belong to the key that created them and expire; function calls go out as items
-and their results come back as items (the shipped chatml_tools template shows tools to SmolLM2)."""
+and their results come back as items (the shipped chatml_tools template shows tools to SmolLM2);
+an agent of OpenAI's Agents SDK runs its tool loop against the server."""
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import Annotated, Literal
 
 import httpx
 import jsonschema
@@ -15,7 +16,7 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from servers import _process, free_port, redis_url
 from tessera import redis_conn
@@ -327,3 +328,37 @@ def test_tokenize_needs_a_key_where_the_gateway_has_keys(url):
     assert httpx.post(url + "/tokenize", json={"prompt": "hi"}).status_code == 401
     r = httpx.post(url + "/tokenize", json={"prompt": "hi"}, headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 200 and r.json()["count"] >= 1
+
+
+class Forecast(BaseModel):
+    summary: str = Field(max_length=60)
+
+
+def test_an_agent_of_the_openai_agents_sdk_calls_its_tool(url):
+    """The Agents SDK (openai-agents), as people build agents on the openai client: its
+    Responses-API model against this server, a function tool it must call first (the SDK then
+    resets tool_choice), its result fed back, a typed final answer (text.format on every turn,
+    the forced one included, as the SDK sends it)."""
+    agents = pytest.importorskip("agents")
+    import asyncio
+
+    agents.set_tracing_disabled(True)        # its traces would go to OpenAI's servers
+    asked: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: Annotated[str, Field(max_length=30)]) -> str:
+        """The weather in a city now."""
+        asked.append(city)
+        return f"Sunny, 22 C in {city}."
+
+    model = agents.OpenAIResponsesModel(model=MODEL, openai_client=openai.AsyncOpenAI(
+        base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120))
+    agent = agents.Agent(name="weather", instructions="Answer in one short sentence.", tools=[get_weather],
+                         output_type=Forecast, model=model,
+                         # one call per turn: a list of forced calls is ended only by the model, and
+                         # this small one goes on repeating the same call
+                         model_settings=agents.ModelSettings(tool_choice="required", parallel_tool_calls=False,
+                                                             temperature=0, max_tokens=120))
+    result = asyncio.run(agents.Runner.run(agent, "What is the weather in Paris?", max_turns=4))
+    assert asked and all(isinstance(city, str) for city in asked)
+    assert isinstance(result.final_output, Forecast)

@@ -157,9 +157,7 @@ def test_plan_refusals_name_the_field():
             ({"tools": [WEATHER]}, "", "tools"),                    # auto by default, and no parser
             ({"tools": [WEATHER], "tool_choice": "auto"}, "", "tool_choice"),
             ({"tool_choice": "required"}, "hermes", "tool_choice"),  # no tools
-            ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "", "tool_choice"),
-            ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "",
-             "response_format")):
+            ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "", "tool_choice")):
         with pytest.raises(APIError) as e:
             plan(parser, **fields)
         assert (e.value.status, e.value.param) == (400, param), fields
@@ -262,7 +260,6 @@ def test_auto_reads_the_hermes_format_the_model_writes(client):
 @pytest.mark.e2e
 @pytest.mark.parametrize("kw, param", [
     (dict(tool_choice={"type": "function", "function": {"name": "launch_rocket"}}), "tool_choice"),
-    (dict(tool_choice="required", response_format={"type": "json_object"}), "response_format"),
     (dict(tool_choice="required", tools=[{"type": "function", "function": {      # a keyword no grammar takes
         "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "strin"}}}}}]), "tools"),
 ])

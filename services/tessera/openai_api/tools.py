@@ -49,9 +49,6 @@ def tool_plan(req: ChatCompletionRequest, parser: str) -> ToolPlan | None:
                        "tool_choice" if req.tool_choice else "tools")
     if choice == "auto" and parser not in PARSERS:     # a worker newer than this gateway
         raise APIError(500, f"the worker's tool-call parser {parser[:40]!r} is unknown to this gateway", "tool_choice")
-    if choice == "required" and _constrained(req):
-        raise APIError(400, "tool_choice \"required\" cannot be combined with response_format or "
-                       "structured_outputs: the output must be the calls", "response_format")
     return ToolPlan(choice, parser if choice == "auto" else "", parallel=parallel,
                     names=tuple(t.function.name for t in req.tools))
 
@@ -63,19 +60,13 @@ def _named(req: ChatCompletionRequest) -> str:
     if name not in {t.function.name for t in req.tools}:
         raise APIError(400, f"tool_choice names the function {name[:64]!r}, which is not among the tools",
                        "tool_choice")
-    if _constrained(req):
-        raise APIError(400, "a named tool_choice cannot be combined with response_format or "
-                       "structured_outputs: the output must be the call", "response_format")
     return name
 
 
-def _constrained(req: ChatCompletionRequest) -> bool:
-    rf = req.response_format or {}
-    return rf.get("type") not in (None, "text") or bool(req.structured_outputs)
-
-
 def constraint(req: ChatCompletionRequest, plan: ToolPlan | None) -> StructuredOutput | None:
-    """The schema forced calls are decoded under; None when the output is free."""
+    """The schema forced calls are decoded under, in place of any response_format (which
+    shapes text, and a forced turn writes none: OpenAI accepts both, as agent SDKs send them);
+    None when the output is free."""
     if plan is None or plan.mode not in ("required", "named"):
         return None
     if plan.mode == "named":
