@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import pathlib
 
-from tessera.bench.machine import machine
+from tessera.cpu_kind import describe_cpu
 from tessera.config import ConfigError
 
 
 def recorded_machine() -> dict:
     """The `machine` entry of a profile: the kind the kernels choose their paths by, and its name."""
-    m = machine(bandwidth=False)
+    m = describe_cpu()
     return {k: m[k] for k in ("kind", "cpu", "model_name", "flags")}
 
 
