@@ -15,6 +15,7 @@ from tessera.deploy.topology import Topology
 from tessera.disagg import planner
 from tessera.disagg.plan_cli import main as plan_main
 from tessera.disagg.profile import build_profile
+from tessera.machine_profiles import recorded_machine
 from tessera.entrypoints.flags import from_args
 
 MIXTRAL = planner.MODELS["mixtral-8x22b"]
@@ -89,7 +90,7 @@ def test_no_plan_meets_an_impossible_slo():
 
 def _plan_here(tmp_path, rows, **kw):
     profile, out = tmp_path / "p.json", tmp_path / "plan.yaml"
-    profile.write_text(json.dumps(build_profile(rows, layers=4)))
+    profile.write_text(json.dumps(dict(build_profile(rows, layers=4), machine=recorded_machine())))   # taken here
     args = dict(profile=str(profile), slo_ms=150.0, serve_model="random:mixtral", out=str(out), context_len=1024)
     plan_main(SimpleNamespace(**{**args, **kw}))
     return Topology.load(out)
