@@ -55,7 +55,7 @@ def test_sampled_json_validates_against_its_schema(client):
     with "stop" is valid JSON that the jsonschema package validates (nested objects, $ref/$defs,
     anyOf with null, an enum array with min/max items, patterns, bounded numbers and strings);
     at least 90% end with "stop" within 400 tokens."""
-    r = client.chat.completions.create(
+    r = client.with_options(timeout=600).chat.completions.create(     # 16 x up to 400 tokens
         model="smollm2", messages=ask("Describe one user of our website as JSON."), n=16, seed=0,
         temperature=1.0, max_tokens=400,
         response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
