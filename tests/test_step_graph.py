@@ -237,11 +237,13 @@ def test_the_workers_warm_up_records_and_checks_every_graph_size_in_its_budget()
     """`tessera worker`'s warm-up: with steps of at most 64 tokens the graph sizes are 32, 48,
     64 and 1-16, each recorded and checked before the worker says ready, and the warm-up's
     prompts leave no KV block in use and nothing in the prefix cache; with a budget of 0 s only
-    the sizes its other requests took are recorded (and none of them checked)."""
+    the sizes its other requests took are recorded (and none of them checked). The shipped 5 s
+    budget is not asserted on: how many sizes fit in it depends on how busy the machine is."""
     from tessera.config import SchedulerConfig
     from tessera.entrypoints.worker import _warmed
     small = SchedulerConfig(max_num_batched_tokens=64)
-    engine = _warmed(Engine(EngineConfig(dtype="bfloat16", num_threads=2, scheduler=small)))
+    # a budget no loaded machine runs out of: what is checked here is what the warm-up covers
+    engine = _warmed(Engine(EngineConfig(dtype="bfloat16", num_threads=2, scheduler=small, graph_warmup_s=600)))
     graphs = engine.runner.graphs
     assert graphs.row_counts() == [32, 48, 64] + list(range(1, 17))
     # each size recorded at its own length, checked at the shortest that pads to it
