@@ -27,7 +27,8 @@ PAGES = {
                "serve` (random prompts, `ignore_eos`, greedy), beside vLLM's CPU build and other servers on the same "
                "machine in the same hour. Output tokens/s counts every output token over the wall time; TTFT is send "
                "to first token, TPOT (end to end − TTFT) / (tokens − 1) per request. Regression checks (`bench/ab_commits.py`) "
-               "put this tree against an earlier commit in alternating rounds.", ("served", "ab")),
+               "put this tree against an earlier commit in alternating rounds; load curves (`bench/load_curve.py`) "
+               "sweep the requests in flight.", ("served", "load", "ab")),
     "structured": ("Structured outputs", "The grammar libraries compared on what constrained decoding costs "
                    "(`bench/grammar_libraries.py`: JSON Schema compile time, the mask of a 64-row batch per step, "
                    "which keywords each enforces, refuses or ignores).", ("grammar",)),
@@ -55,11 +56,13 @@ HEADINGS = {"engine": "Offline engine", "kernel": "Kernels against their referen
             "m2n": "M2N transport", "pq": "Plans: predicted against measured", "pq-error": "Cost-model error",
             "pq-indicator": "Quantization-sensitivity indicator", "chaos": "Faults under load",
             "tls": "What mutual TLS costs", "grammar": "Grammar libraries",
-            "ab": "Against an earlier commit"}
+            "ab": "Against an earlier commit", "load": "Load curve"}
 # the columns a benchmark's table starts with (the rest follow in the order they first appear)
 FIRST = {
     "served": ("server", "dtype", "quantization", "num_prompts", "concurrency", "input_len", "output_len",
                "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"),
+    "load": ("round", "server", "dtype", "concurrency", "num_prompts", "output_tok_s", "tpot_p50_ms", "tpot_p99_ms",
+             "ttft_p50_ms"),
     "grammar": ("library", "version", "compile_ms_median", "mask_ms_per_step_median", "batch"),
     "engine": ("batch_size", "input_len", "output_len", "dtype", "tok_s", "reference", "reference_tok_s"),
     "kernel": ("kernel", "shape", "dtype", "tessera_us", "reference", "reference_us"),

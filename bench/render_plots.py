@@ -227,7 +227,36 @@ def chaos_plot(stem: str, doc: dict) -> list[Plot]:
     return [(f"{stem}-rss.png", draw)]
 
 
-PER_FILE = {"served": sample_plot, "spec": spec_plot, "chaos": chaos_plot}
+def load_plot(stem: str, doc: dict) -> list[Plot]:
+    """Throughput, TPOT p50 and TTFT p50 against the requests in flight, per server: the median
+    over the rounds at each concurrency."""
+    servers = list(dict.fromkeys(r["server"] for r in doc["rows"]))
+    levels = sorted({r["concurrency"] for r in doc["rows"]})
+
+    def curve(server: str, key: str) -> list:
+        return [median(r.get(key) for r in doc["rows"] if r["server"] == server and r["concurrency"] == c)
+                for c in levels]
+
+    def draw(plt):
+        fig, axes = _figure(plt, 3, 3.4)
+        for ax, (key, label) in zip(axes, (("output_tok_s", "output tokens/s"), ("tpot_p50_ms", "TPOT p50 (ms)"),
+                                           ("ttft_p50_ms", "TTFT p50 (ms)"))):
+            for i, server in enumerate(servers):
+                ax.plot(levels, curve(server, key), marker="o", label=server,
+                        color=COLORS.get(server, CYCLE[i % len(CYCLE)]))
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(levels, [str(c) for c in levels])
+            ax.set_xlabel("requests in flight")
+            ax.set_ylabel(label)
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=7)
+        fig.tight_layout()
+        return fig
+    return [(f"{stem}-curve.png", draw)]
+
+
+PER_FILE = {"served": sample_plot, "spec": spec_plot, "chaos": chaos_plot, "load": load_plot}
 
 
 def median(values) -> float | None:
