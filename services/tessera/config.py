@@ -126,6 +126,10 @@ class CacheConfig:
     num_blocks: int | None = field(default=None, metadata={
         "flag": "--num-kv-blocks", "help": "KV blocks to allocate (default: as many as --kv-cache-gib holds)"})
     kv_cache_gib: float = field(default=1.0, metadata={"help": "memory for the KV cache, GiB"})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "choices": ("auto", "int8"),
+        "help": "auto: the model's dtype; int8: values with a float32 scale per token and KV head (about twice "
+        "the blocks in the same memory, faster long-context decode attention)"})
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "share the KV of full blocks whose whole prefix an earlier request computed (vLLM's APC); "
         "outputs are the same either way"})
@@ -137,6 +141,8 @@ class CacheConfig:
             raise ConfigError("num_blocks must be > 0")
         if self.kv_cache_gib <= 0:
             raise ConfigError("kv_cache_gib must be > 0")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ConfigError("kv_cache_dtype must be auto or int8", "kv_cache_dtype")
 
 
 @dataclass(frozen=True)

@@ -10,21 +10,35 @@ from tessera.models.driver import forward
 from tessera.models.llama import CausalLM
 from tessera.models.model_config import ModelConfig
 from tessera.scheduler import StepPlan
+from tessera_kernels import kv_int8
+
+
+def kv_row_shape(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """The last dimension of a KV cache of this dtype: the head size, or an int8 row's bytes
+    (values and their scale, tessera_kernels.kv_int8)."""
+    return kv_int8.row_bytes(cfg.head_dim) if dtype == torch.int8 else cfg.head_dim
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of every layer for one block, in a cache of this dtype (int8: scales included)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * kv_row_shape(cfg, dtype) * elem
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """CacheConfig.kv_cache_dtype as a torch dtype: 'auto' is the model's."""
+    return {"auto": model_dtype, "int8": torch.int8}[name]
 
 
 def allocate_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                 layers: range | None = None) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
     """K and V of every layer in `layers` (default: all); None for a layer this process does not
     hold (a pipeline stage). [kv_heads, slots, head_dim]: a gathered block list is then already
-    [kv_heads, B, L, D]. On 2 MiB pages (huge_pages.py)."""
+    [kv_heads, B, L, D]; int8: [kv_heads, slots, head_dim + 4] (kv_row_shape). On 2 MiB pages
+    (huge_pages.py)."""
     slots = num_blocks * block_size
     held = range(cfg.num_layers) if layers is None else layers
-    shape = (cfg.num_kv_heads, slots, cfg.head_dim)
+    shape = (cfg.num_kv_heads, slots, kv_row_shape(cfg, dtype))
     return [(huge_pages.zeros(shape, dtype), huge_pages.zeros(shape, dtype)) if l in held else None
             for l in range(cfg.num_layers)]
 
@@ -36,11 +50,14 @@ class ModelRunner:
     # an execute of its own (AFD, pipeline stages).
     step_graphs_apply = True
 
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, layers: range | None = None) -> None:
-        """layers: the decoder layers this process holds KV for (default: all)."""
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, layers: range | None = None,
+                 kv_dtype: torch.dtype | None = None) -> None:
+        """layers: the decoder layers this process holds KV for (default: all); kv_dtype: the
+        cache's (default: the model's; torch.int8: an int8 cache, tessera_kernels.kv_int8)."""
         self.model = model
         self.block_size = block_size
-        self.kv_caches = allocate_kv(model.config, num_blocks, block_size, model.embed_tokens.weight.dtype, layers)
+        self.kv_caches = allocate_kv(model.config, num_blocks, block_size, kv_dtype or model.embed_tokens.weight.dtype,
+                                     layers)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:

@@ -22,6 +22,11 @@ blocks. Each row reads the context again (from cache: one layer's is a few MB), 
 verification step is faster this way than through SDPA with a gathered context and an explicit
 mask. The draft model's expansions (spec/drafter.py) pass their rows' slots the same way; a chunk
 given an explicit mask takes SDPA.
+An int8 cache (--kv-cache-dtype int8, tessera_kernels.kv_int8: rows of int8 values and their
+scale) is written quantized, and its kernel rows go to the int8 kernel (one row at a time: no
+prompt tiles). Every other path reads the rows it needs dequantized to q's dtype (_cache_rows,
+_gather_blocks): correct, at the cost of a copy; a fresh prompt's SDPA call attends to its own
+unquantized K/V, as before.
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.batch import ForwardBatch, PrefillChunk
-from tessera_kernels import cbuild, paged_attention_cpu
+from tessera_kernels import cbuild, kv_int8, paged_attention_cpu
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +71,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     window > 0: each query sees only the last `window` keys it may attend to (a sliding
     window: its own position and the window - 1 before it; a mask row's True columns are taken
     as positions 0..p in order). softcap > 0: scores = softcap * tanh(scale * q.k / softcap)."""
-    paged_attention_cpu.kv_write(k, v, k_cache, v_cache, batch.slot_mapping)
+    int8 = k_cache.dtype == torch.int8
+    (kv_int8 if int8 else paged_attention_cpu).kv_write(k, v, k_cache, v_cache, batch.slot_mapping)
+    attend_rows = kv_int8.paged_decode_attention_int8 if int8 else paged_attention_cpu.paged_decode_attention
     capped = window > 0 or softcap > 0
-    kernel = _kernel_applies(q) and (not capped or _kernel_takes(window, softcap))
+    kernel = (_int8_kernel_applies(q, k_cache) if int8 else _kernel_applies(q)) and (
+        not capped or _kernel_takes(window, softcap))
     capping = {"window": window, "softcap": softcap} if capped else {}   # other models: the call as it was
     by_kernel = kernel and masks is None and batch.causal_token_idx is not None
     long_by_sdpa = by_kernel and not capped and prompts_by_sdpa(q)
@@ -80,8 +88,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.empty_like(q) if rows.numel() < q.shape[0] else None
     if rows.numel():
         qr = q if out is None else q[rows]      # rows ascend: all of them is every token
-        res = (paged_attention_cpu.paged_decode_attention(qr, k_cache, v_cache, tables, lens, batch.block_size, scale,
-                                                          **capping)
+        res = (attend_rows(qr, k_cache, v_cache, tables, lens, batch.block_size, scale, **capping)
                if kernel else _decode_gathered(qr, k_cache, v_cache, batch, scale, window, softcap))
         if out is None:
             return res
@@ -94,8 +101,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         s, n = chunk.token_start, chunk.num_tokens
         if kernel and chunk.row_slots is not None and (masks is None or masks[j] is None):
             slots = chunk.row_slots if window <= 0 else _slots_in_position_order(chunk)
-            out[s:s + n] = paged_attention_cpu.paged_decode_attention(
-                q[s:s + n], k_cache, v_cache, slots, chunk.row_lens, 1, scale, **capping)
+            out[s:s + n] = attend_rows(q[s:s + n], k_cache, v_cache, slots, chunk.row_lens, 1, scale, **capping)
             continue
         mask = chunk.mask if masks is None or masks[j] is None else masks[j]
         if capped:
@@ -114,7 +120,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if chunk.context_slots is None:
             ks, vs = k[s:s + n].transpose(0, 1), v[s:s + n].transpose(0, 1)
         else:
-            ks, vs = k_cache[:, chunk.context_slots], v_cache[:, chunk.context_slots]
+            ks, vs = _cache_rows(k_cache, chunk.context_slots, q.dtype), _cache_rows(v_cache, chunk.context_slots, q.dtype)
         o = F.scaled_dot_product_attention(qs, ks.unsqueeze(0), vs.unsqueeze(0), attn_mask=mask,
                                            is_causal=mask is None, scale=scale, enable_gqa=True)
         out[s:s + n] = o.squeeze(0).transpose(0, 1)
@@ -183,11 +189,9 @@ def _decode_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """One query token per request: softmax(q K^T * scale + mask) V, GQA by grouping heads
     (a window narrows the mask, softcap caps the scores: see paged_attention)."""
     B, H, D = q.shape
-    KV, S, _ = k_cache.shape
-    bs = batch.block_size
     blocks = batch.decode_block_tables.reshape(-1)
-    k = k_cache.view(KV, S // bs, bs * D).index_select(1, blocks).view(KV, B, -1, D)
-    v = v_cache.view(KV, S // bs, bs * D).index_select(1, blocks).view(KV, B, -1, D)
+    k = _gather_blocks(k_cache, blocks, batch.block_size, B, q.dtype)
+    v = _gather_blocks(v_cache, blocks, batch.block_size, B, q.dtype)
     qg = q.view(B, KV, H // KV, D).transpose(0, 1)              # [KV, B, G, D]
     scores = torch.matmul(qg, k.transpose(-1, -2)) * scale      # [KV, B, G, L]
     if softcap > 0:
@@ -196,6 +200,29 @@ def _decode_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     scores.masked_fill_(~mask[None, :, None, :], float("-inf"))
     o = torch.matmul(torch.softmax(scores, dim=-1), v)          # [KV, B, G, D]
     return o.transpose(0, 1).reshape(B, H, D)
+
+
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, bs: int, B: int, dtype: torch.dtype) -> torch.Tensor:
+    """The cache's blocks [B * W] whole, as [KV, B, W * bs, D] (one index_select); an int8
+    cache's dequantized to dtype."""
+    KV, S, R = cache.shape
+    rows = cache.view(KV, S // bs, bs * R).index_select(1, blocks).view(KV, B, -1, R)
+    return kv_int8.dequantize(rows, dtype) if cache.dtype == torch.int8 else rows
+
+
+def _cache_rows(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cache[:, slots] ([KV, ..., D]); an int8 cache's dequantized to dtype."""
+    rows = cache[:, slots]
+    return kv_int8.dequantize(rows, dtype) if cache.dtype == torch.int8 else rows
+
+
+def _int8_kernel_applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the int8 kernel takes an int8 cache's rows; where not (no compiler, a head size
+    it lacks), every row reads dequantized blocks (logged once)."""
+    if kv_int8.applies(q, k_cache):
+        return True
+    _log_once("int8 KV cache without its kernel (unbuilt or head size): attention reads dequantized blocks")
+    return False
 
 
 def _slots_in_position_order(chunk: PrefillChunk) -> torch.Tensor:
@@ -224,7 +251,7 @@ def _chunk_capped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
     if chunk.context_slots is None:
         ks, vs = k[s:s + n].transpose(0, 1), v[s:s + n].transpose(0, 1)
     else:
-        ks, vs = k_cache[:, chunk.context_slots], v_cache[:, chunk.context_slots]
+        ks, vs = _cache_rows(k_cache, chunk.context_slots, q.dtype), _cache_rows(v_cache, chunk.context_slots, q.dtype)
     if mask is None:
         L = ks.shape[1]
         mask = torch.arange(L)[None, :] <= torch.arange(L - n, L)[:, None]
