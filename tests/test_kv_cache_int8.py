@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from tessera_kernels import kv_int8, paged_attention_cpu
+from tessera_kernels import cbuild, kv_int8, paged_attention_cpu
 
 pytestmark = pytest.mark.skipif(not kv_int8.available(), reason="no C compiler: the int8 kernel is not built")
 
@@ -74,6 +74,88 @@ def test_int8_kernel_takes_one_slot_blocks_and_strided_queries():
     out = kv_int8.paged_decode_attention_int8(q, k_cache, v_cache, slots, lens, 1, 0.125)
     ref = kv_int8.paged_decode_attention_int8_ref(q, k_cache, v_cache, slots, lens, 1, 0.125)
     assert (out - ref).abs().max() <= 1e-5
+
+
+@pytest.mark.skipif("avx512f" not in cbuild.cpu_flags(),
+                    reason="this CPU has no AVX-512: its own build is the AVX2 one, which the tests above ran")
+def test_the_avx2_build_of_the_int8_kernels(tmp_path):
+    """The kernel and write tests again with the C built for AVX2 (TESSERA_MARCH=haswell, its
+    own cache), as test_attention_window.py does for the 16-bit kernel."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "TESSERA_MARCH": "haswell", "TESSERA_CACHE": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                          "reference or one_slot or every_attention_path or replay"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert list((tmp_path / "kernels").glob("paged_decode_attention_int8-*.so"))
+
+
+def _int8_step(dtype, seed=0):
+    """test_attention_window's mixed step (decode rows, fresh prompts, a later chunk, a draft
+    tree) over an int8 cache, and the same step over that cache dequantized, its new K/V
+    rounded through int8 as the write will: every path of both then reads the same values."""
+    from test_attention_window import _mixed_step
+    step = _mixed_step(dtype)
+    k8, v8 = kv_int8.quantize_ref(step.k_cache), kv_int8.quantize_ref(step.v_cache)
+    step.k_cache, step.v_cache = kv_int8.dequantize(k8, dtype), kv_int8.dequantize(v8, dtype)
+    step.k = [kv_int8.dequantize(kv_int8.quantize_ref(k), dtype) for k in step.k]
+    step.v = [kv_int8.dequantize(kv_int8.quantize_ref(v), dtype) for v in step.v]
+    return step, k8, v8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("path", ["kernel", "torch", "masks"])
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (10, 5.0)])
+def test_every_attention_path_reads_the_int8_cache(dtype, path, window, softcap, monkeypatch):
+    """paged_attention over the int8 cache against the same step over its dequantized values:
+    the int8 kernel, the torch paths (decode gathered, SDPA over a chunk's context; the kernel
+    off) and explicit masks (tree verification's), with a window and soft-capping."""
+    from tessera.batch import build_forward_batch
+    from tessera.layers import attention
+    from tessera.scheduler import StepPlan
+    from test_attention_window import BS, SCALE
+    if path == "torch":
+        monkeypatch.setattr(attention, "_int8_kernel_applies", lambda q, cache: False)
+        monkeypatch.setattr(attention, "_kernel_applies", lambda q: False)
+    step, k8, v8 = _int8_step(dtype)
+    batch = build_forward_batch(StepPlan(tuple(step.entries)), BS)
+    masks = [c.mask for c in batch.prefills] if path == "masks" else None
+    q, k, v = torch.cat(step.q), torch.cat(step.k), torch.cat(step.v)
+    ref = attention.paged_attention(q, k, v, step.k_cache.clone(), step.v_cache.clone(), batch, SCALE, masks,
+                                    window=window, softcap=softcap)
+    out = attention.paged_attention(q, k, v, k8, v8, batch, SCALE, masks, window=window, softcap=softcap)
+    # the rounding of k and v to int8 again on the write changes nothing (already on the grid,
+    # up to float32's last bit in the scale); what remains is the order of the sums, and in
+    # bf16 the result's rounding and the 16-bit kernel's bf16 probabilities
+    tol = 1e-4 if dtype == torch.float32 else 2 ** -7 * ref.float().abs() + 2 ** -6
+    assert ((out.float() - ref.float()).abs() <= tol).all(), float((out.float() - ref.float()).abs().max())
+
+
+def test_an_int8_step_is_recorded_for_replay():
+    """Every call of an int8 step is a C kernel's (the quantizing write and the int8 attention),
+    so step_graph.py records and replays it (nothing in it runs eagerly), and the replay on new
+    queries is their attention."""
+    from tessera.batch import build_forward_batch
+    from tessera.layers import attention
+    from tessera.scheduler import StepPlan
+    from tessera_kernels import replay
+    from test_attention_window import BS, SCALE, Step
+    step = Step(torch.float32, seed=3)
+    step.request(45, 1)
+    step.request(7, 1)
+    step.request(0, 9)
+    k8, v8 = kv_int8.quantize_ref(step.k_cache), kv_int8.quantize_ref(step.v_cache)
+    batch = build_forward_batch(StepPlan(tuple(step.entries)), BS)
+    q, k, v = torch.cat(step.q), torch.cat(step.k), torch.cat(step.v)
+    with replay.record() as rec:
+        out = attention.paged_attention(q, k, v, k8, v8, batch, SCALE)
+    assert rec.refused is None and rec.calls
+    q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(4)))
+    expected = attention.paged_attention(q, k, v, k8.clone(), v8.clone(), batch, SCALE)
+    rec.replay()
+    assert torch.equal(out, expected)
 
 
 @pytest.fixture(scope="module")

@@ -189,6 +189,7 @@ def _decode_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """One query token per request: softmax(q K^T * scale + mask) V, GQA by grouping heads
     (a window narrows the mask, softcap caps the scores: see paged_attention)."""
     B, H, D = q.shape
+    KV = k_cache.shape[0]
     blocks = batch.decode_block_tables.reshape(-1)
     k = _gather_blocks(k_cache, blocks, batch.block_size, B, q.dtype)
     v = _gather_blocks(v_cache, blocks, batch.block_size, B, q.dtype)
