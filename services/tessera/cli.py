@@ -354,6 +354,11 @@ COMMANDS = {
                        *_module_command("tessera.bench.m2n_bench")),
     ("bench", "afd"): ("AFD decode throughput for m = 1, 2, 3 vs the monolithic engine",
                        *_module_command("tessera.bench.afd_bench")),
+    ("bench", "make-llama1b"): ("write the 1B-class benchmark checkpoint: Llama 3.2 1B's architecture, SmolLM2's "
+                                "vocabulary, random bf16 weights", *_module_command("tessera.bench.llama1b")),
+    ("bench", "roofline"): ("a model's weight bytes per decode token over this machine's streaming-read bandwidth: "
+                            "the one-stream TPOT floor (--tpot-ms: a measured TPOT as a fraction of it)",
+                            *_module_command("tessera.bench.memory_roofline")),
     ("bench", "spec"): ("batch-1 decode speed: plain vs serial vs disaggregated tree speculation, with "
                         "the simulator's predictions", *_module_command("tessera.bench.spec_bench")),
     ("profile",): ("measure T_a(b), T_e(b), T_c(b), T_o(b) here; write a JSON profile",
