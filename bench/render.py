@@ -221,11 +221,12 @@ EXCLUDED = ("before_change", "change", "superseded", "busy_neighbour")   # rows 
 
 
 def served_pair(doc: dict) -> dict | None:
-    """Tessera against vLLM-CPU in one served file: the all-at-once workload with the most
-    prompts (no quantization, no variant rows), each server at its faster dtype, medians over
-    the rounds; with the same servers' one-stream TTFT/TPOT where the file has them."""
+    """Tessera against vLLM-CPU on the default model in one served file: the all-at-once
+    workload with the most prompts (no quantization, no variant rows), each server at its faster
+    dtype, medians over the rounds; with the same servers' one-stream TTFT/TPOT where the file
+    has them."""
     rows = [r for r in doc["rows"] if r.get("quantization") is None and not any(r.get(k) for k in EXCLUDED)
-            and not r.get("range_ratio")]
+            and not r.get("range_ratio") and _default_model(r)]
     many = [r for r in rows if r.get("concurrency") is None and isinstance(r.get("output_tok_s"), (int, float))]
     if not many:
         return None
@@ -249,6 +250,11 @@ def served_pair(doc: dict) -> dict | None:
                        "tpot": _median(r.get("tpot_p50_ms") for r in one),
                        "ttft": _pct(mine, "ttft"), "tpot_pct": _pct(one, "tpot")}
     return out
+
+
+def _default_model(row: dict) -> bool:
+    """The headline is SmolLM2-135M's (rows before the model was recorded were all of it)."""
+    return row.get("model") is None or "smollm2" in str(row["model"]).lower()
 
 
 def _median(values) -> float | None:
