@@ -217,12 +217,37 @@ def test_int8_cache_perplexity_within_one_percent(smollm2_f32, dtype):
     assert abs(int8 / base - 1) <= 0.01, (base, int8)
 
 
+def test_engine_sizes_and_runs_an_int8_cache(smollm2_engine):
+    """--kv-cache-gib buys int8 rows (values and scale) in blocks: 64 + 4 bytes a row where the
+    float32 cache takes 256, so 256/68 times the blocks; and the engine's greedy tokens (prompt,
+    chunked prefill with a prefix hit, decode, replayed steps) are the 16-bit cache's for at
+    least the first few tokens, where int8 changes the logits by a KL of about 0.001 (above)."""
+    from tessera.config import CacheConfig, EngineConfig, SamplingParams, SchedulerConfig
+    from tessera.engine import Engine
+    gib = 0.05
+    engine = Engine(EngineConfig(model="smollm2", dtype="float32",
+                                 cache=CacheConfig(kv_cache_gib=gib, kv_cache_dtype="int8"),
+                                 scheduler=SchedulerConfig(max_num_batched_tokens=32)),
+                    model=smollm2_engine.runner.model, tokenizer=smollm2_engine.tokenizer)
+    assert engine.runner.kv_caches[0][0].dtype == torch.int8
+    cfg = engine.model_config
+    per_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * (cfg.head_dim + 4)
+    assert engine.kv.num_blocks == int(gib * 2 ** 30 // per_block)
+    prompt = smollm2_engine.tokenizer("The capital of France is Paris. The capital of Italy is")["input_ids"]
+    sampling = SamplingParams(max_tokens=6, temperature=0)
+    expected = smollm2_engine.generate([prompt], sampling)[0]
+    first, again = engine.generate([prompt], sampling)[0], engine.generate([prompt], sampling)[0]   # again: a prefix hit
+    assert first == again
+    assert first[:3] == expected[:3], (first, expected)
+
+
 def test_served_chat_with_int8_cache():
     openai = pytest.importorskip("openai")
     from servers import tessera_serve
     with tessera_serve("--kv-cache-dtype", "int8", "--kv-cache-gib", "0.05", "--dtype", "float32") as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
-        reply = client.chat.completions.create(model="smollm2", max_tokens=8, temperature=0,
+        model = client.models.list().data[0].id
+        reply = client.chat.completions.create(model=model, max_tokens=8, temperature=0,
                                                messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert reply.choices[0].message.content.strip()
     assert reply.usage.completion_tokens > 0
