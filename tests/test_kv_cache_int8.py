@@ -133,6 +133,32 @@ def test_every_attention_path_reads_the_int8_cache(dtype, path, window, softcap,
     assert ((out.float() - ref.float()).abs() <= tol).all(), float((out.float() - ref.float()).abs().max())
 
 
+def test_long_prompt_chunks_over_an_int8_cache_take_sdpa():
+    """In a step of more than PROMPTS_ON_KERNEL_UP_TO tokens the int8 kernel (no prompt tiles)
+    gives long prompt chunks to SDPA, over their own K/V (fresh) or their dequantized context:
+    the same attention as the 16-bit cache of the same values."""
+    from tessera.batch import build_forward_batch
+    from tessera.layers import attention
+    from tessera.scheduler import StepPlan
+    from test_attention_window import BS, SCALE, Step
+    step = Step(torch.float32, seed=5)
+    step.k_cache = torch.zeros(step.k_cache.shape[0], 400 * BS, step.k_cache.shape[2])
+    step.v_cache = torch.zeros_like(step.k_cache)
+    step.free = iter(torch.randperm(400, generator=step.g).tolist())
+    step.request(30, 1)
+    step.request(0, 150)
+    step.request(40, 140)
+    k8, v8 = kv_int8.quantize_ref(step.k_cache), kv_int8.quantize_ref(step.v_cache)
+    k_cache, v_cache = kv_int8.dequantize(k8, torch.float32), kv_int8.dequantize(v8, torch.float32)
+    rounded = [torch.cat([kv_int8.dequantize(kv_int8.quantize_ref(x), torch.float32) for x in xs]) for xs in (step.k, step.v)]
+    batch = build_forward_batch(StepPlan(tuple(step.entries)), BS)
+    q = torch.cat(step.q)
+    assert q.shape[0] > attention.PROMPTS_ON_KERNEL_UP_TO
+    ref = attention.paged_attention(q, *rounded, k_cache, v_cache, batch, SCALE)
+    out = attention.paged_attention(q, *rounded, k8, v8, batch, SCALE)
+    assert (out - ref).abs().max() <= 1e-4
+
+
 def test_an_int8_step_is_recorded_for_replay():
     """Every call of an int8 step is a C kernel's (the quantizing write and the int8 attention),
     so step_graph.py records and replays it (nothing in it runs eagerly), and the replay on new

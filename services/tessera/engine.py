@@ -18,7 +18,7 @@ import torch
 from tessera.config import ConfigError, EngineConfig, SamplingParams
 from tessera.detokenizer import IncrementalDetokenizer
 from tessera.kv_cache import KVCacheManager
-from tessera.model_runner import ModelRunner, kv_bytes_per_block
+from tessera.model_runner import ModelRunner, kv_bytes_per_block, kv_cache_dtype
 from tessera.models.loader import load_model, model_id_for
 from tessera.request import Request, RequestStatus, RequestTimings, Resume
 from tessera.sampler import SampleResult, SamplingBatch, sample
@@ -103,7 +103,11 @@ class Engine:
         if config.max_model_len and config.max_model_len > limit:
             raise ConfigError(f"max_model_len {config.max_model_len} exceeds the model's {limit}")
         cache = config.cache
-        per_block = kv_bytes_per_block(self.model_config, cache.block_size, self.dtype)
+        kv_dtype = kv_cache_dtype(cache.kv_cache_dtype, self.dtype)
+        if kv_dtype != self.dtype and make_runner is not ModelRunner:
+            raise ConfigError("--kv-cache-dtype int8 runs on the monolithic engine; attention nodes and "
+                              "pipeline stages keep a cache of the model's dtype", "kv_cache_dtype")
+        per_block = kv_bytes_per_block(self.model_config, cache.block_size, kv_dtype)
         num_blocks = cache.num_blocks or max(1, int(cache.kv_cache_gib * 2**30 // per_block))
         prefix_caching = cache.enable_prefix_caching and not self.model_config.rope_depends_on_prompt
         if prefix_caching != cache.enable_prefix_caching:
@@ -112,7 +116,8 @@ class Engine:
         self.kv = KVCacheManager(num_blocks, cache.block_size, prefix_caching)
         self._reset_prefix_cache = False
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.runner = make_runner(model, num_blocks, cache.block_size)
+        self.runner = (make_runner(model, num_blocks, cache.block_size) if kv_dtype == self.dtype
+                       else ModelRunner(model, num_blocks, cache.block_size, kv_dtype=kv_dtype))
         if not config.enforce_eager and getattr(self.runner, "step_graphs_apply", False):
             self.runner.replay_steps(-(-self.max_model_len // cache.block_size),
                                     config.scheduler.max_num_batched_tokens, config.replay_check_every)

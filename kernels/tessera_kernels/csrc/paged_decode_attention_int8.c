@@ -35,6 +35,20 @@ static inline void prefetch_row(const int8_t *p, int64_t row) {
     for (int64_t off = 0; off < row; off += 64) __builtin_prefetch(p + off);
 }
 
+/* The same into L2 only: rows read a pass later (a V row in the K pass, the next task's K rows
+ * in the V pass) would push the K pass's working set out of L1. */
+static inline void prefetch_row_l2(const int8_t *p, int64_t row) {
+    for (int64_t off = 0; off < row; off += 64) __builtin_prefetch(p + off, 0, 2);
+}
+
+/* Where the thread's next task reads its K rows (len 0: none): asked for during this task's V
+ * pass, so that memory stays busy while the V pass computes. */
+typedef struct {
+    const int8_t *k_head;
+    const int64_t *table;
+    int64_t lo, len;
+} next_task;
+
 static inline float row_scale(const int8_t *r, int D) {
     float s;
     memcpy(&s, r + D, sizeof s);
@@ -52,7 +66,7 @@ static inline v16 softcap16(v16 s, float softcap) {
  * acc [G][D/16] gets the attention output. scores: G * Lp floats. */
 static inline __attribute__((always_inline)) void attend8(const v16 *qv, const int8_t *kh, const int8_t *vh,
         const int64_t *table, int64_t lo, int64_t L, int G, int D, int block_size, float scale, float softcap,
-        v16 *acc, v16 *part, float *scores, int64_t Lp) {
+        v16 *acc, v16 *part, float *scores, int64_t Lp, next_task next) {
     const int n = D / 16;
     const int64_t row = D + 4, Lw = L - lo;
     v16 maxv[MAX_G];
@@ -69,7 +83,7 @@ static inline __attribute__((always_inline)) void attend8(const v16 *qv, const i
             if (t + AHEAD < L) {
                 const int64_t ahead = slot_of(table, t + AHEAD, block_size) * row;
                 prefetch_row(kh + ahead, row);
-                prefetch_row(vh + ahead, row);
+                prefetch_row_l2(vh + ahead, row);
             }
             const int8_t *k = kh + slot_of(table, t, block_size) * row;
             v16 kr[16];   /* D <= 256 */
@@ -103,7 +117,10 @@ static inline __attribute__((always_inline)) void attend8(const v16 *qv, const i
     }
     v16 a[1024];   /* G * D / 16 <= 1024 (the Python side checks) */
     for (int k = 0; k < G * n; k++) a[k] = (v16){0};
+    int64_t asked = 0, credit = 0;   /* next.len rows over Lw tokens: a running count, no division */
     for (int64_t i = 0; i < Lw; i++) {
+        for (credit += next.len; credit >= Lw && asked < next.len; credit -= Lw)
+            prefetch_row_l2(next.k_head + slot_of(next.table, next.lo + asked++, block_size) * row, row);
         const int8_t *v = vh + slot_of(table, lo + i, block_size) * row;
         const float sv = row_scale(v, D);
         v16 vr[16];
@@ -121,13 +138,13 @@ static inline __attribute__((always_inline)) void attend8(const v16 *qv, const i
  * 16-bit kernel's attend_any: the accumulators then stay in registers). */
 static void attend8_any(const v16 *qv, const int8_t *kh, const int8_t *vh, const int64_t *table, int64_t lo,
                         int64_t L, int G, int D, int block_size, float scale, float softcap, v16 *acc, v16 *part,
-                        float *scores, int64_t Lp) {
+                        float *scores, int64_t Lp, next_task next) {
 #define TASK(GG, DD) if (G == GG && D == DD) \
-        return attend8(qv, kh, vh, table, lo, L, GG, DD, block_size, scale, softcap, acc, part, scores, Lp)
+        return attend8(qv, kh, vh, table, lo, L, GG, DD, block_size, scale, softcap, acc, part, scores, Lp, next)
     TASK(1, 64); TASK(2, 64); TASK(3, 64); TASK(4, 64); TASK(5, 64); TASK(6, 64); TASK(7, 64); TASK(8, 64);
     TASK(1, 128); TASK(2, 128); TASK(3, 128); TASK(4, 128); TASK(5, 128); TASK(6, 128); TASK(7, 128); TASK(8, 128);
 #undef TASK
-    attend8(qv, kh, vh, table, lo, L, G, D, block_size, scale, softcap, acc, part, scores, Lp);
+    attend8(qv, kh, vh, table, lo, L, G, D, block_size, scale, softcap, acc, part, scores, Lp, next);
 }
 
 /* q [B rows, q_stride apart][H][D] and out [B][H][D] in float32 (bf16 = 0) or bfloat16 (bf16 =
@@ -149,8 +166,16 @@ void paged_decode_attention_int8(const void *q, const int8_t *k_cache, const int
         v16 *qv = (v16 *)aligned_alloc(64, sizeof(v16) * (2 * G * n + 16 * G) + (sizeof(float) * G * Lp + 63) / 64 * 64);
         v16 *acc = qv + G * n, *part = acc + G * n;
         float *scores = (float *)(part + 16 * G);
-        for (int task = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED); task < tasks;
-             task = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED)) {
+        /* each thread holds the claim on its next task while it runs this one, to ask for its rows */
+        int task = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+        while (task < tasks) {
+            const int after = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+            next_task next = {NULL, NULL, 0, 0};
+            if (after < tasks) {
+                const int64_t nl = context_lens[after / KV], nlo = window > 0 && nl > window ? nl - window : 0;
+                next = (next_task){k_cache + (int64_t)(after % KV) * S * row, block_tables + (int64_t)(after / KV) * W,
+                                   nlo, nl - nlo};
+            }
             const int b = task / KV, kv = task % KV;
             const int64_t L = context_lens[b], lo = window > 0 && L > window ? L - window : 0;
             const int64_t head0 = (int64_t)b * H + (int64_t)kv * G;
@@ -160,7 +185,8 @@ void paged_decode_attention_int8(const void *q, const int8_t *k_cache, const int
                     qv[g * n + i] = bf16 ? widen((const uint16_t *)q + off + 16 * i) : load16((const float *)q + off + 16 * i);
             }
             attend8_any(qv, k_cache + (int64_t)kv * S * row, v_cache + (int64_t)kv * S * row,
-                        block_tables + (int64_t)b * W, lo, L, G, D, block_size, scale, softcap, acc, part, scores, Lp);
+                        block_tables + (int64_t)b * W, lo, L, G, D, block_size, scale, softcap, acc, part, scores, Lp,
+                        next);
             for (int g = 0; g < G; g++) {
                 const float *a = (const float *)(acc + g * n);
                 if (bf16) {
@@ -170,6 +196,7 @@ void paged_decode_attention_int8(const void *q, const int8_t *k_cache, const int
                     memcpy((float *)out + (head0 + g) * D, a, sizeof(float) * D);
                 }
             }
+            task = after;
         }
         free(qv);
     }

@@ -24,7 +24,8 @@ mask. The draft model's expansions (spec/drafter.py) pass their rows' slots the 
 given an explicit mask takes SDPA.
 An int8 cache (--kv-cache-dtype int8, tessera_kernels.kv_int8: rows of int8 values and their
 scale) is written quantized, and its kernel rows go to the int8 kernel (one row at a time: no
-prompt tiles). Every other path reads the rows it needs dequantized to q's dtype (_cache_rows,
+prompt tiles, so in steps of more than PROMPTS_ON_KERNEL_UP_TO tokens the long prompt chunks
+take SDPA on every CPU, as on AMX). Every other path reads the rows it needs dequantized to q's dtype (_cache_rows,
 _gather_blocks): correct, at the cost of a copy; a fresh prompt's SDPA call attends to its own
 unquantized K/V, as before.
 """
@@ -79,7 +80,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         not capped or _kernel_takes(window, softcap))
     capping = {"window": window, "softcap": softcap} if capped else {}   # other models: the call as it was
     by_kernel = kernel and masks is None and batch.causal_token_idx is not None
-    long_by_sdpa = by_kernel and not capped and prompts_by_sdpa(q)
+    # the int8 kernel has no prompt tiles: there long prompt chunks go to SDPA on every CPU
+    long_by_sdpa = by_kernel and not capped and (prompts_by_sdpa(q) or int8 and q.shape[0] > PROMPTS_ON_KERNEL_UP_TO)
     to_sdpa = [c for c in batch.prefills if long_by_sdpa and _sdpa_takes(c)]
     if by_kernel:
         rows, tables, lens = _kernel_rows(batch, to_sdpa)
