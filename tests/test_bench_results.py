@@ -89,6 +89,8 @@ def test_the_machine_is_described(render):
     assert machine.cpu_kind("AuthenticAMD", 25, 17, set()) == "zen4"
     assert machine.cpu_kind("AuthenticAMD", 25, 1, set()) == "zen3"
     assert machine.cpu_kind("AuthenticAMD", 26, 2, set()) == "zen5"
+    assert machine.cpu_kind("AuthenticAMD", 23, 1, set()) == "zen1"
+    assert machine.cpu_kind("AuthenticAMD", 23, 49, set()) == "zen2"
     assert machine.cpu_kind("GenuineIntel", 6, 167, {"amx_tile", "avx512f"}) == "xeon-amx"
     assert machine.cpu_kind("GenuineIntel", 6, 207, {"avx512f", "avx512_bf16"}) == "xeon-amx-hidden"
     assert machine.cpu_kind("GenuineIntel", 6, 85, {"avx512f"}) == "xeon-avx512"

@@ -1,4 +1,4 @@
-"""The kind of CPU this is, as the kernels choose their code paths by it (zen3, zen4, zen5,
+"""The kind of CPU this is, as the kernels choose their code paths by it (zen1, zen2, zen3, zen4, zen5,
 xeon-amx, ...): result files (bench/machine.py) and measured profiles (machine_profiles.py)
 record it."""
 from __future__ import annotations
@@ -12,14 +12,16 @@ FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx51
 # Intel family 6 models that have AMX: Sapphire Rapids, Emerald Rapids, Granite Rapids (a guest
 # whose hypervisor hides the amx flags is "xeon-amx-hidden": bf16 runs on AVX512-BF16 there).
 AMX_MODELS = {143, 207, 173, 174}
-KINDS = ("zen3", "zen4", "zen5", "xeon-amx", "xeon-amx-hidden", "xeon-avx512", "other")
-CPU_NAMES = {"zen3": "AMD EPYC Zen 3", "zen4": "AMD EPYC Zen 4", "zen5": "AMD EPYC Zen 5",
+KINDS = ("zen1", "zen2", "zen3", "zen4", "zen5", "xeon-amx", "xeon-amx-hidden", "xeon-avx512", "other")
+CPU_NAMES = {"zen1": "AMD EPYC Zen 1", "zen2": "AMD EPYC Zen 2", "zen3": "AMD EPYC Zen 3", "zen4": "AMD EPYC Zen 4", "zen5": "AMD EPYC Zen 5",
              "xeon-amx": "Intel Xeon with AMX", "xeon-amx-hidden": "Intel Xeon with AMX hidden",
              "xeon-avx512": "Intel Xeon with AVX-512"}
 
 
 def cpu_kind(vendor: str, family: int | None, model: int | None, flags: set[str]) -> str:
     """The kind of CPU, from its vendor, family, model and flags ("other" when none fits)."""
+    if vendor == "AuthenticAMD" and family == 23 and model is not None:   # AVX2 only
+        return "zen2" if model >= 0x30 else "zen1"
     if vendor == "AuthenticAMD" and family == 25 and model is not None:
         return "zen4" if 0x10 <= model <= 0x1F or 0x60 <= model <= 0x7F or 0xA0 <= model <= 0xAF else "zen3"
     if vendor == "AuthenticAMD" and family == 26:
