@@ -45,10 +45,12 @@ _KERNELS = {torch.bfloat16: "tile_linear_bf16", torch.float32: "tile_linear_f32"
 
 
 @functools.cache
-def _built(dtype: torch.dtype) -> tuple[ctypes.CDLL, int] | None:
-    """The kernel for this dtype where this CPU has its vector units and it builds."""
+def _built(dtype: torch.dtype, on_amx: bool = False) -> tuple[ctypes.CDLL, int] | None:
+    """The kernel for this dtype where this CPU has its vector units and it builds (for bf16 on
+    a CPU with AMX only when on_amx: the batch-invariant mode's linears)."""
     flags = cbuild.cpu_flags()
-    if dtype not in _KERNELS or not {"avx2", "fma"} <= flags or (dtype == torch.bfloat16 and "amx_bf16" in flags):
+    if dtype not in _KERNELS or not {"avx2", "fma"} <= flags or (
+            dtype == torch.bfloat16 and "amx_bf16" in flags and not on_amx):
         return None
     name = _KERNELS[dtype]
     lib = cbuild.load(name)
@@ -121,16 +123,18 @@ def available(dtype: torch.dtype) -> bool:
     return _library(dtype) is not None
 
 
-def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+def applies(x: torch.Tensor, w: torch.Tensor, every_row_count: bool = False) -> bool:
     """bf16 (5 rows or more) or float32 on the CPU, rows each contiguous and at least K apart
     (not an expanded view), N a multiple of the kernel's column block, bf16's K even, and the
-    kernel built for this CPU."""
+    kernel built for this CPU. every_row_count: the batch-invariant mode's question, any number
+    of rows and bf16 on AMX CPUs too: a row's result is the same whatever the rows beside it
+    (each output element sums its K products in one order, fixed by the panel layout)."""
     if not (x.dtype == w.dtype and x.device.type == w.device.type == "cpu" and x.dim() == 2 and w.dim() == 2
-            and x.shape[0] >= (BF16_MIN_ROWS if x.dtype == torch.bfloat16 else 1)
+            and x.shape[0] >= (1 if every_row_count or x.dtype != torch.bfloat16 else BF16_MIN_ROWS)
             and x.shape[1] == w.shape[1] > 0 and w.shape[0] > 0
             and x.stride(1) == 1 and x.stride(0) >= x.shape[1]):
         return False
-    lib = _library(x.dtype)
+    lib = _built(x.dtype, on_amx=True) if every_row_count else _library(x.dtype)
     return lib is not None and w.shape[0] % lib[1] == 0 and w.shape[1] % _pair(w.dtype) == 0
 
 
@@ -143,7 +147,7 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     """W [N, K] in the kernel's panel order (see the C sources): full panels of NV_MAX blocks of
     L columns as [K / pair, NV_MAX, L, pair], then the last, narrower panel the same way."""
     N, K = w.shape
-    lanes, pair = _built(w.dtype)[1], _pair(w.dtype)
+    lanes, pair = _built(w.dtype, on_amx=True)[1], _pair(w.dtype)
     full = N // (lanes * NV_MAX) * lanes * NV_MAX
     parts = []
     for start, stop, nv in ((0, full, NV_MAX), (full, N, (N - full) // lanes)):
@@ -167,7 +171,7 @@ def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, N:
         raise ValueError(f"tile_linear: a packed weight of {packed.numel()} {packed.dtype} for x {tuple(x.shape)} and N={N}")
     y = torch.empty(M, N, dtype=x.dtype)
     b = None if bias is None else bias.float().contiguous()   # both kernels add a float32 bias
-    fn = _built(x.dtype)[0]
+    fn = _built(x.dtype, on_amx=True)[0]
     fma = () if x.dtype != torch.bfloat16 else (TILES.index(tiles or bf16_tiles()),)
     status = fn(x.data_ptr(), x.stride(0), packed.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
                 M, N, K, threads, *fma)

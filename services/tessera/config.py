@@ -224,6 +224,10 @@ class EngineConfig:
         "core (cpu_pinning.py); --no-pin-threads leaves them to the OS"})
     enforce_eager: bool = field(default=False, metadata={
         "help": "run every step through Python: no replayed decode steps (step_graph.py)"})
+    batch_invariant: bool = field(default=False, metadata={
+        "help": "a token's logits bitwise the same whatever the batch around it, the chunking, prefill or decode and "
+        "tree verification (docs/engine.md#batch-invariant-mode): the linears run on one kernel at every row count "
+        "and the attention a row at a time; replicas fail over only to the same CPU kernel path"})
     graph_warmup_s: float = field(default=5.0, metadata={
         "help": "seconds a worker's warm-up may spend recording the step graphs of prompt steps (32, 48, ... "
         "tokens, then 1-16) before it says ready; 0: each is recorded at its first step (step_graph.py)"})

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from tessera import batch_invariant
 from tessera.config import ConfigError, EngineConfig, SamplingParams
 from tessera.detokenizer import IncrementalDetokenizer
 from tessera.kv_cache import KVCacheManager
@@ -92,6 +93,8 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype)
         if model is None:
             model, _ = load_model(config.model, self.dtype, quantization=config.quantization)
+        if config.batch_invariant:
+            batch_invariant.apply(model, self.dtype, config.quantization)
         if tokenizer is None:
             from tessera.tokenizer import load_tokenizer
             tokenizer = load_tokenizer(config.model)
@@ -141,6 +144,8 @@ class Engine:
         dtype = str(self.dtype).removeprefix("torch.")
         if self.config.quantization:   # a plan file is named by its contents: two plans may differ
             dtype += "+" + _quantization_digest(self.config.quantization)
+        if self.config.batch_invariant:
+            dtype += "+invariant:" + batch_invariant.kernel_path(self.dtype)
         return compatibility_hash(self.model_id, dtype, tokenizer)
 
     @property

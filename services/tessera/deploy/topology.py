@@ -17,7 +17,8 @@ A worker role may say which engine it runs: `engine: vllm` (default native) is `
 built with vLLM. A worker role may also say where its default sampling parameters come from
 (`generation_config: vllm`, auto or a directory; `tessera worker --generation-config`), its chat
 template and tool-call parser (`chat_template: chatml_tools`, `tool_call_parser: hermes`). A worker, target_worker or attention_node role may set its engine's limits: max_num_seqs (the
-batch B), max_num_batched_tokens, num_kv_blocks, kv_cache_gib or max_queue_delay_ms. Speculative decoding
+batch B), max_num_batched_tokens, num_kv_blocks, kv_cache_gib or max_queue_delay_ms, and turn on
+`batch_invariant: true` (--batch-invariant). Speculative decoding
 (SwiftSpec) pairs draft_worker replica i with target_worker replica i (equal replicas): the
 draft_worker role names the drafter (`speculative: self:8`) and may set the tree (tree_size,
 width, depth), which its target verifies; the target_worker may set disable_batch_size. A
@@ -49,7 +50,9 @@ ENGINE_ROLES = ("worker", "target_worker", "attention_node", "pipeline_shard")  
 # Engine limits of the roles that run an engine, passed as the flags of the same name: a plan
 # (`tessera plan afd`) sets the batch B (max_num_seqs), a step's token budget and a KV cache
 # that holds B requests.
-ENGINE_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_gib", "max_queue_delay_ms")
+ENGINE_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_gib", "max_queue_delay_ms",
+                  "batch_invariant")
+ENGINE_SWITCHES = ("batch_invariant",)    # of those, the ones that are a flag alone when true
 # The drafter and its tree (draft_worker role), as the flags of SpeculativeConfig.
 SPEC_OPTIONS = {"speculative": "--speculative", "tree_size": "--spec-tree-size", "width": "--spec-width",
                 "depth": "--spec-depth"}
@@ -219,8 +222,9 @@ class Topology:
         model = ["--model", self.model, "--dtype", self.dtype]
         common = ["--host", place.bind, "--port", port]
         threads = ["--threads", str(role.options["threads"])] if "threads" in role.options else []
-        limits = [a for k in ENGINE_OPTIONS if k in role.options for a in (f"--{k.replace('_', '-')}",
-                                                                           str(role.options[k]))]
+        limits = [a for k in ENGINE_OPTIONS if k in role.options and k not in ENGINE_SWITCHES
+                  for a in (f"--{k.replace('_', '-')}", str(role.options[k]))]
+        limits += [f"--{k.replace('_', '-')}" for k in ENGINE_SWITCHES if role.options.get(k)]
         register = (["--registry", self.redis_url(place), "--registry-prefix", self.registry_prefix,
                      "--advertise", place.advertise(role, i)] if self.registry else [])
         if role.name == "worker":

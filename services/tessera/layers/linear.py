@@ -21,6 +21,10 @@
   the weight on every call, which costs a large share of a small product's time.
   The bf16 result is bitwise F.linear's. The blocked copy is made on first use and kept
   beside the weight (made again if the weight changes); autograd never takes this path.
+
+In the batch-invariant mode (set_batch_invariant) every product of any row count goes to the
+register tiles, AMX CPUs included, whose rows do not change with the rows beside them; a shape
+they do not take is computed a row at a time (slow, and the same bits in any batch).
 """
 from __future__ import annotations
 
@@ -44,8 +48,11 @@ class Linear(nn.Linear):
     _blocked_of: tuple = ()
     _packed: torch.Tensor | None = None
     _packed_of: tuple = ()
+    batch_invariant = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant and not self._needs_autograd(x):
+            return self._invariant(x)
         if x.dim() == 2 and gemv_cpu.applies(x, self.weight):
             return gemv_cpu.gemv_bf16(x, self.weight, self.bias)
         kernel = next((k for k in _PACKED_KERNELS if k.applies(x, self.weight)), None)
@@ -59,6 +66,20 @@ class Linear(nn.Linear):
         if blocked is not None:
             return torch.ops.mkldnn._linear_pointwise(x, blocked, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def _invariant(self, x: torch.Tensor) -> torch.Tensor:
+        """The product with each row's bits independent of the other rows (module docstring)."""
+        rows = x.reshape(-1, x.shape[-1])
+        if tile_linear.applies(rows, self.weight, every_row_count=True):
+            key = ("invariant", *self._weight_key())
+            if self._packed is None or self._packed_of != key:
+                with replay.paused():
+                    self._packed, self._packed_of = tile_linear.pack(self.weight.detach()), key
+            out = tile_linear.linear(rows, self._packed, self.bias, self.weight.shape[0])
+        else:
+            out = torch.cat([F.linear(rows[i:i + 1], self.weight, self.bias) for i in range(rows.shape[0])]) \
+                if rows.shape[0] else F.linear(rows, self.weight, self.bias)
+        return out.reshape(*x.shape[:-1], self.weight.shape[0])
 
     def _blocked_weight(self, x: torch.Tensor) -> torch.Tensor | None:
         """oneDNN's copy of the weight, or None where that path does not apply (autograd,
@@ -90,6 +111,13 @@ class Linear(nn.Linear):
         for name in ("_blocked", "_blocked_of", "_packed", "_packed_of"):
             state.pop(name, None)
         return state
+
+
+def set_batch_invariant(model: nn.Module, on: bool) -> None:
+    """Every Linear of the model in the batch-invariant mode, or back out of it."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.batch_invariant = on
 
 
 @functools.cache
