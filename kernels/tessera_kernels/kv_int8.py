@@ -123,9 +123,11 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def paged_decode_attention_int8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                                scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                                scale: float, window: int = 0, softcap: float = 0.0,
+                                tiles: bool = True) -> torch.Tensor:
     """The C kernel; paged_decode_attention_int8_ref's contract (q and the result float32 or
-    bfloat16, the arithmetic float32)."""
+    bfloat16, the arithmetic float32). It has no prompt tiles: every row goes alone, whatever
+    `tiles` (paged_attention_cpu.paged_decode_attention's) says."""
     B, H, D = q.shape
     KV, S, R = k_cache.shape
     assert k_cache.dtype == v_cache.dtype == torch.int8 and R == row_bytes(D) and v_cache.shape == k_cache.shape

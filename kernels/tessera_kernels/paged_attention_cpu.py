@@ -56,7 +56,7 @@ def _library() -> ctypes.CDLL | None:
         lib.paged_decode_attention_tiles.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 5
         lib.paged_decode_attention.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int] * 6
                                                + [ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int,
-                                                  ctypes.c_int64, ctypes.c_int, ctypes.c_float])
+                                                  ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_int])
     return lib
 
 
@@ -90,10 +90,12 @@ def supports(head_dim: int) -> bool:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           block_size: int, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                           block_size: int, scale: float, window: int = 0, softcap: float = 0.0,
+                           tiles: bool = True) -> torch.Tensor:
     """The C kernel; same contract as paged_decode_attention_ref (with bf16_probs where
     probabilities_in_bf16). `scale` is used as given (a family's query scale). With a window or
-    soft-capping a prompt chunk's rows go one at a time (the prompt tiles take neither yet). The caches are float32 or bfloat16; q and the result are in the
+    soft-capping a prompt chunk's rows go one at a time (the prompt tiles take neither yet);
+    tiles=False sends every row alone, as a decode row (the batch-invariant mode). The caches are float32 or bfloat16; q and the result are in the
     caches' dtype (the kernel reads and writes them as they are), the arithmetic is float32."""
     B, H, D = q.shape
     KV, S, Dk = k_cache.shape
@@ -113,7 +115,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     lib.paged_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(),
                                B, H, KV, D, block_tables.shape[1], block_size, S, scale,
-                               torch.get_num_threads(), int(dtype == torch.bfloat16), q.stride(0), window, softcap)
+                               torch.get_num_threads(), int(dtype == torch.bfloat16), q.stride(0), window, softcap,
+                               int(tiles))
     return out
 
 

@@ -41,6 +41,10 @@ def apply(model: nn.Module, dtype: torch.dtype, quantization: str | None) -> Non
     if not tile_linear.applies(probe, torch.zeros(48, 32, dtype=dtype), every_row_count=True):
         raise ConfigError(f"--batch-invariant needs the register-tile linears, which this CPU or build lacks "
                           f"for {str(dtype).removeprefix('torch.')}", "batch_invariant")
+    from tessera_kernels import paged_attention_cpu
+    if not (paged_attention_cpu.available() and paged_attention_cpu.supports(model.config.head_dim)):
+        raise ConfigError("--batch-invariant needs the paged attention kernel, which this build or this model's "
+                          f"head size ({model.config.head_dim}) lacks", "batch_invariant")
     set_batch_invariant(model, True)
     for module in model.modules():
         if hasattr(module, "batch_invariant") and not isinstance(module, Linear):

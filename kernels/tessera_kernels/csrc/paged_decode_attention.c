@@ -756,12 +756,14 @@ static inline int64_t window_start(int64_t L, int window) { return window > 0 &&
  * q's tokens q_stride elements apart (its heads contiguous: a view of the fused QKV output
  * needs no copy), out contiguous. scale as given (a family's query scale); window > 0: each
  * row sees its last `window` tokens; softcap > 0: scores soft-capped (see the top). Runs of at least TILE_MIN rows of one prompt chunk go in
- * tiles (bf16 dot products on AVX512-BF16, float32 FMAs otherwise), every other row alone. */
+ * tiles (bf16 dot products on AVX512-BF16, float32 FMAs otherwise), every other row alone;
+ * tiles = 0 takes every row alone (the batch-invariant mode: a row's bits then do not depend on
+ * whether it came in a prompt chunk or a decode step). */
 void paged_decode_attention(const void *q, const void *k_cache, const void *v_cache,
                             const int64_t *block_tables, const int64_t *context_lens,
                             void *out, int B, int H, int KV, int D, int W, int block_size,
                             int64_t S, float scale, int num_threads, int bf16, int64_t q_stride, int window,
-                            float softcap) {
+                            float softcap, int tiles) {
     const int G = H / KV, n = D / 16;
     const size_t elem = bf16 ? 2 : 4, row_bytes = D * elem;
     int64_t max_len = 0;
@@ -770,7 +772,7 @@ void paged_decode_attention(const void *q, const void *k_cache, const void *v_ca
     work *plan = (work *)malloc(sizeof(work) * (B + 1));
     int n_tiles;
     const int n_work = make_plan(plan, &n_tiles, block_tables, context_lens, B, W, block_size,
-                                 tiles_apply(D) && window <= 0 && !(softcap > 0));
+                                 tiles && tiles_apply(D) && window <= 0 && !(softcap > 0));
     const int tile_bf16 = tiles_in_bf16(bf16, D);
     const int tasks = n_work * KV;
     int claimed = 0;

@@ -65,13 +65,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     batch: ForwardBatch, scale: float,
                     masks: Sequence[torch.Tensor | None] | None = None, *,
-                    window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                    window: int = 0, softcap: float = 0.0, invariant: bool = False) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KV, D]; caches [KV, S, D]; returns [T, H, D].
     masks[j], when given and not None, is prefill chunk j's bool mask [n, start_pos + n]
     (True: may attend) in place of the causal one; decode tokens attend to their whole context.
     window > 0: each query sees only the last `window` keys it may attend to (a sliding
     window: its own position and the window - 1 before it; a mask row's True columns are taken
-    as positions 0..p in order). softcap > 0: scores = softcap * tanh(scale * q.k / softcap)."""
+    as positions 0..p in order). softcap > 0: scores = softcap * tanh(scale * q.k / softcap).
+    invariant (the batch-invariant mode, tessera/batch_invariant.py): every row, prompt and tree
+    rows included, goes alone through the kernel's one-row path, as a decode row does, so its
+    bits do not depend on the rows beside it; no SDPA, no prompt tiles. Explicit masks (a
+    drafter's expansions) still take SDPA: they decide drafts, never the tokens emitted."""
     int8 = k_cache.dtype == torch.int8
     (kv_int8 if int8 else paged_attention_cpu).kv_write(k, v, k_cache, v_cache, batch.slot_mapping)
     attend_rows = kv_int8.paged_decode_attention_int8 if int8 else paged_attention_cpu.paged_decode_attention
@@ -79,9 +83,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kernel = (_int8_kernel_applies(q, k_cache) if int8 else _kernel_applies(q)) and (
         not capped or _kernel_takes(window, softcap))
     capping = {"window": window, "softcap": softcap} if capped else {}   # other models: the call as it was
+    if invariant:
+        if not kernel:
+            raise RuntimeError("the batch-invariant mode needs the paged attention kernel (batch_invariant.apply checks)")
+        capping["tiles"] = False
     by_kernel = kernel and masks is None and batch.causal_token_idx is not None
     # the int8 kernel has no prompt tiles: there long prompt chunks go to SDPA on every CPU
-    long_by_sdpa = by_kernel and not capped and (prompts_by_sdpa(q) or int8 and q.shape[0] > PROMPTS_ON_KERNEL_UP_TO)
+    long_by_sdpa = by_kernel and not capped and not invariant and (
+        prompts_by_sdpa(q) or int8 and q.shape[0] > PROMPTS_ON_KERNEL_UP_TO)
     to_sdpa = [c for c in batch.prefills if long_by_sdpa and _sdpa_takes(c)]
     if by_kernel:
         rows, tables, lens = _kernel_rows(batch, to_sdpa)

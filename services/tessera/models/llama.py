@@ -33,6 +33,7 @@ class LlamaAttention(nn.Module):
     """The attention half: norm, fused QKV, RoPE, paged attention, output projection.
     Granite's constants: the query scale (attention_multiplier) and the factor on the output
     before the residual add (residual_multiplier)."""
+    batch_invariant = False   # the batch-invariant mode (tessera/batch_invariant.py) sets it
 
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
@@ -69,7 +70,8 @@ class LlamaAttention(nn.Module):
         """RoPE, paged attention, output projection."""
         qk = apply_rope(qk, *rope)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        o = paged_attention(q, k, v, kv[0], kv[1], batch, self.scale, masks, window=self.window, softcap=self.softcap)
+        o = paged_attention(q, k, v, kv[0], kv[1], batch, self.scale, masks, window=self.window, softcap=self.softcap,
+                            invariant=self.batch_invariant)
         out = self.o_proj(o.reshape(q.shape[0], -1))
         return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
 

@@ -74,7 +74,9 @@ def _check_supported(config: EngineConfig) -> None:
                (config.speculative.draft, "--speculative"),
                (config.cache.num_blocks, "--num-kv-blocks (size vLLM's cache with --kv-cache-gib)"),
                (config.cache.block_size != 16, "--block-size (vLLM picks its own)"),
-               (config.scheduler.max_queue_delay_ms, "--max-queue-delay-ms")]
+               (config.scheduler.max_queue_delay_ms, "--max-queue-delay-ms"),
+               (config.cache.kv_cache_dtype != "auto", "--kv-cache-dtype"),
+               (config.batch_invariant, "--batch-invariant (vLLM's own is VLLM_BATCH_INVARIANT, GPU kernels)")]
     named = [flag for value, flag in refused if value]
     if named:
         raise ConfigError(f"the vLLM engine does not take {', '.join(named)}; they are the native engine's")
