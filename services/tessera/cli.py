@@ -17,8 +17,18 @@ from tessera.deploy.supervisor import SupervisorConfig
 from tessera.entrypoints.flags import add_flags, from_args
 from tessera.generation_defaults import GenerationConfigSource
 from tessera.pipeline.stages import StageConfig
+from tessera.tracing import TracingConfig
 
 DTYPES = ["auto", "float32", "bfloat16"]
+ONE_PROCESS_TRACING = ("trace_replica",)    # TracingConfig fields serve and up set per process themselves
+
+
+def _tracing(a: argparse.Namespace) -> None:
+    """Traces of a serving process (tracing.SERVICE_NAMES) when a receiver is named."""
+    from tessera import tracing
+    if a.command in tracing.SERVICE_NAMES:
+        t = from_args(TracingConfig, a)
+        tracing.configure(a.command, t.otlp_traces_endpoint, replica=t.trace_replica, stage=getattr(a, "stage", None))
 
 
 def _registration(a: argparse.Namespace):
@@ -40,7 +50,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from tessera.entrypoints.serve import GATEWAY_FIELDS_SET_BY_SERVE, main
     gateway, admission = _gateway_configs(a, exclude=GATEWAY_FIELDS_SET_BY_SERVE)
     return main(from_args(EngineConfig, a), gateway, admission, a.worker_port, from_args(SupervisorConfig, a),
-                a.draft_port, a.certs, from_args(GenerationConfigSource, a), from_args(ChatConfig, a))
+                a.draft_port, a.certs, from_args(GenerationConfigSource, a), from_args(ChatConfig, a),
+                from_args(TracingConfig, a, exclude=ONE_PROCESS_TRACING))
 
 
 def cmd_gateway(a: argparse.Namespace) -> int:
@@ -107,8 +118,10 @@ def cmd_pipeline_shard(a: argparse.Namespace) -> int:
 def cmd_up(a: argparse.Namespace) -> int:
     from tessera.deploy.topology import Topology
     from tessera.deploy.up import up
-    return up(Topology.load(a.file).with_overrides(port=a.port, dtype=a.dtype), from_args(SupervisorConfig, a),
-              certs=a.certs)
+    tracing = from_args(TracingConfig, a, exclude=ONE_PROCESS_TRACING)
+    return up(Topology.load(a.file).with_overrides(port=a.port, dtype=a.dtype,
+                                                   otlp_traces_endpoint=tracing.otlp_traces_endpoint),
+              from_args(SupervisorConfig, a), certs=a.certs)
 
 
 def _lazy(module: str, name: str):
@@ -154,6 +167,7 @@ def _address_args(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--port", type=int, default=port)
     p.add_argument("--shutdown-grace-s", type=float, default=30.0,
                    help="on SIGTERM / Ctrl-C: time in-flight requests get to finish (default: 30.0)")
+    add_flags(p, TracingConfig)
 
 
 def _registry_args(p: argparse.ArgumentParser) -> None:
@@ -181,6 +195,7 @@ def _gateway_flags(p: argparse.ArgumentParser, exclude=()) -> None:
 
 def _gateway_args(p: argparse.ArgumentParser) -> None:
     _gateway_flags(p)
+    add_flags(p, TracingConfig)
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -194,6 +209,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="with --speculative (and no --draft-address): the draft worker's port (default: 50081)")
     p.add_argument("--certs", help="role directories (worker, gateway, draft-worker) of deployment 'serve' (default: new)")
     add_flags(p, SupervisorConfig)
+    add_flags(p, TracingConfig, exclude=ONE_PROCESS_TRACING)
 
 
 def _up_args(p: argparse.ArgumentParser) -> None:
@@ -204,6 +220,7 @@ def _up_args(p: argparse.ArgumentParser) -> None:
                    help="certificate directories from `tessera certs FILE --out DIR` (default: a throwaway CA "
                         "made at start)")
     add_flags(p, SupervisorConfig)
+    add_flags(p, TracingConfig, exclude=ONE_PROCESS_TRACING)
 
 
 def _keys_add_args(p: argparse.ArgumentParser) -> None:
@@ -414,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         return exit_codes.CONFIG_ERROR if e.code == 2 else e.code
     try:
         mtls.identity()     # a certificate that could never complete a handshake stops us here
+        _tracing(args)
         return args.fn(args)
     except ConfigError as e:   # one line, and an exit code a supervisor does not restart
         return exit_codes.config_error(args.command, str(e))

@@ -1,7 +1,8 @@
 """Logging for every Tessera process: one JSON object per line on stderr (TESSERA_LOG_FORMAT=text
 for plain lines), level from TESSERA_LOG_LEVEL. The request id travels from the gateway's
 X-Request-Id header to the worker in gRPC metadata (x-request-id); a context variable puts it
-on every log line written while that request is handled."""
+on every log line written while that request is handled, and, with tracing on (tracing.py), the
+trace and span ids of the span current there."""
 from __future__ import annotations
 
 import contextvars
@@ -9,8 +10,10 @@ import json
 import logging
 import os
 import time
+from typing import Callable
 
 request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
+trace_ids: Callable[[], tuple[str, str] | None] | None = None    # set by tracing.configure()
 
 
 class JsonFormatter(logging.Formatter):
@@ -20,6 +23,9 @@ class JsonFormatter(logging.Formatter):
         rid = getattr(record, "request_id", None) or request_id.get()
         if rid:
             line["request_id"] = rid
+        ids = trace_ids() if trace_ids is not None else None
+        if ids is not None:
+            line["trace_id"], line["span_id"] = ids
         line.update(getattr(record, "fields", {}))
         if record.exc_info:
             line["exc"] = self.formatException(record.exc_info)

@@ -21,6 +21,7 @@ import logging
 import time
 from typing import AsyncIterator, Callable
 
+from tessera import tracing
 from tessera.request import Resume
 from tessera.worker_api import (GenerateChunk, GenerateInput, InvalidRequest, Misconfigured, Saturated, Tokenized,
                                 TokenizeInput, Unavailable, WorkerClient, WorkerError, WorkerInfo)
@@ -93,6 +94,7 @@ class WorkerPool:
                 error = e
                 if state.generated:     # a stream resumed here: it goes on on the next member
                     self.failovers += 1
+                    _cut(address, e, state)
                     log.warning("request %s: %s is full (%s); resuming on another worker", request.request_id,
                                 address, e)
             except Misconfigured as e:
@@ -106,6 +108,7 @@ class WorkerPool:
                 self.down_until[address] = time.monotonic() + DOWN_FOR_S
                 self.compat.pop(address, None)    # what answers there next is asked again
                 self.failovers += 1
+                _cut(address, e, state)
                 log.warning("request %s: %s failed (%s); resuming on another worker", request.request_id,
                             address, e)
             finally:
@@ -177,6 +180,12 @@ class WorkerPool:
     async def close(self) -> None:
         for client in self.clients.values():
             await client.close()
+
+
+def _cut(address: str, error: WorkerError, state: "_Progress") -> None:
+    """The failover as an event of the request's span: the next attempt's route span follows it."""
+    tracing.event("failover", **{"tessera.worker.address": address, "error.type": type(error).__name__,
+                                 "tessera.generated_tokens": len(state.generated)})
 
 
 class _Progress:

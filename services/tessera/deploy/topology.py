@@ -7,6 +7,7 @@ Kubernetes files (deploy/compose/, deploy/k8s/).
     model: smollm2            # or random:ARCH, or a path
     dtype: auto
     transport: auto           # M2N backend for AFD roles
+    otlp_traces_endpoint: http://collector:4317   # optional: every process's traces (tessera up --otlp-traces-endpoint)
     roles:
       redis:   {port: 6379}               # discovery: workers register, the gateway watches
       worker:  {replicas: 2, port: 50051}
@@ -129,6 +130,7 @@ class Topology:
     dtype: str
     transport: str
     roles: dict
+    otlp_traces_endpoint: str | None = None   # every process sends its traces here (--otlp-traces-endpoint)
 
     @classmethod
     def load(cls, path: str | pathlib.Path) -> "Topology":
@@ -176,7 +178,8 @@ class Topology:
             roles[name] = Role(name, replicas, int(port), spec)
         _check_pairs(path, roles)
         return cls(data.get("name", pathlib.Path(path).stem), str(data.get("model", "smollm2")),
-                   str(data.get("dtype", "auto")), str(data.get("transport", "auto")), roles)
+                   str(data.get("dtype", "auto")), str(data.get("transport", "auto")), roles,
+                   data.get("otlp_traces_endpoint"))
 
     def _spec_flags(self, i: int, place: Placement, target: bool) -> list[str]:
         """The drafter and tree flags, the same for a draft worker and its target; the target
@@ -189,11 +192,13 @@ class Topology:
                 argv += ["--spec-disable-batch-size", str(self.roles["target_worker"].options["disable_batch_size"])]
         return argv
 
-    def with_overrides(self, port: int | None = None, dtype: str | None = None) -> "Topology":
+    def with_overrides(self, port: int | None = None, dtype: str | None = None,
+                       otlp_traces_endpoint: str | None = None) -> "Topology":
         roles = dict(self.roles)
         if port is not None:
             roles["gateway"] = replace(roles["gateway"], port=port)
-        return replace(self, roles=roles, dtype=dtype or self.dtype)
+        return replace(self, roles=roles, dtype=dtype or self.dtype,
+                       otlp_traces_endpoint=otlp_traces_endpoint or self.otlp_traces_endpoint)
 
     @property
     def registry(self) -> bool:
@@ -212,8 +217,17 @@ class Topology:
         for role_name in ROLE_ORDER:
             role = self.roles.get(role_name)
             for i in range(role.replicas if role else 0):
-                out.append(Process(role.service(i), role_name, role.port + i, tuple(self._argv(role, i, place))))
+                out.append(Process(role.service(i), role_name, role.port + i,
+                                   tuple(self._argv(role, i, place) + self._tracing_argv(role, i, place))))
         return out
+
+    def _tracing_argv(self, role: Role, i: int, place: Placement) -> list[str]:
+        """Where every tessera process sends its traces, and its replica index (not in a
+        Kubernetes Deployment, whose pods share one command line)."""
+        if not self.otlp_traces_endpoint or role.name == "redis":
+            return []
+        replica = [] if isinstance(place, PodPlacement) else ["--trace-replica", str(i)]
+        return ["--otlp-traces-endpoint", self.otlp_traces_endpoint, *replica]
 
     def _argv(self, role: Role, i: int, place: Placement) -> list[str]:
         port = str(role.port + i)

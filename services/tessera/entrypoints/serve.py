@@ -24,6 +24,7 @@ from tessera.entrypoints.gateway.main import ADMISSION_FLAGS, GatewayConfig
 from tessera.generation_defaults import GenerationConfigSource
 from tessera.mtls import ENV as TLS_ENV
 from tessera.mtls.certs import write_role_dirs
+from tessera.tracing import TracingConfig
 
 # GatewayConfig fields `serve` sets itself rather than taking as flags.
 GATEWAY_FIELDS_SET_BY_SERVE = ("worker", "registry", "registry_prefix", "shutdown_grace_s")
@@ -32,9 +33,10 @@ GATEWAY_FIELDS_SET_BY_SERVE = ("worker", "registry", "registry_prefix", "shutdow
 def process_args(engine: EngineConfig, gateway: GatewayConfig, admission: AdmissionConfig, worker_port: int,
                  grace_s: float, draft_port: int | None = None,
                  generation: GenerationConfigSource = GenerationConfigSource(),
-                 chat: ChatConfig = ChatConfig()) -> tuple[list[str], list[str]]:
+                 chat: ChatConfig = ChatConfig(), tracing: TracingConfig = TracingConfig()) -> tuple[list[str], list[str]]:
     """The `tessera worker ...` and `tessera gateway ...` arguments; with draft_port the
-    worker drafts through the draft worker there, on one thread unless --threads says otherwise."""
+    worker drafts through the draft worker there, on one thread unless --threads says otherwise;
+    each sends its traces where `tracing` says."""
     if admission.keys_from_redis:
         raise ConfigError("serve runs no Redis: keys from Redis need `tessera up` with a redis role")
     if draft_port is not None:
@@ -42,12 +44,13 @@ def process_args(engine: EngineConfig, gateway: GatewayConfig, admission: Admiss
             engine.speculative, draft_address=f"127.0.0.1:{draft_port}"))
     worker = ["worker", "--host", "127.0.0.1", "--port", str(worker_port), *to_argv(engine), *to_argv(generation),
               *to_argv(chat),
-              "--shutdown-grace-s", f"{grace_s:g}"]
+              "--shutdown-grace-s", f"{grace_s:g}", *to_argv(tracing)]
     gateway = replace(gateway, worker=(f"127.0.0.1:{worker_port}",), shutdown_grace_s=grace_s)
-    return worker, ["gateway", *to_argv(gateway), *to_argv(admission, **ADMISSION_FLAGS)]
+    return worker, ["gateway", *to_argv(gateway), *to_argv(admission, **ADMISSION_FLAGS), *to_argv(tracing)]
 
 
-def draft_worker_args(engine: EngineConfig, draft_port: int, grace_s: float) -> list[str]:
+def draft_worker_args(engine: EngineConfig, draft_port: int, grace_s: float,
+                      tracing: TracingConfig = TracingConfig()) -> list[str]:
     """The `tessera draft-worker ...` arguments: one thread, pinned to the last core this
     process may use when it may use two or more (the target takes the other)."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -55,12 +58,13 @@ def draft_worker_args(engine: EngineConfig, draft_port: int, grace_s: float) -> 
     length = ["--max-model-len", str(engine.max_model_len)] if engine.max_model_len else []
     return ["draft-worker", "--host", "127.0.0.1", "--port", str(draft_port), "--model", engine.model,
             "--dtype", engine.dtype, *length, *to_argv(engine.speculative, exclude=TARGET_ONLY_FIELDS),
-            "--threads", "1", *pin, "--shutdown-grace-s", f"{grace_s:g}"]
+            "--threads", "1", *pin, "--shutdown-grace-s", f"{grace_s:g}", *to_argv(tracing)]
 
 
 def main(engine: EngineConfig, gateway: GatewayConfig, admission: AdmissionConfig, worker_port: int,
          supervisor: SupervisorConfig = SupervisorConfig(), draft_port: int = 50081, certs: str | None = None,
-         generation: GenerationConfigSource = GenerationConfigSource(), chat: ChatConfig = ChatConfig()) -> int:
+         generation: GenerationConfigSource = GenerationConfigSource(), chat: ChatConfig = ChatConfig(),
+         tracing: TracingConfig = TracingConfig()) -> int:
     grace = supervisor.shutdown_grace_s
     # A draft worker of our own unless --draft-address names one (or the drafter is prompt
     # lookup, which needs no model and stays in the target); the target decodes plainly while
@@ -71,12 +75,12 @@ def main(engine: EngineConfig, gateway: GatewayConfig, admission: AdmissionConfi
                           "draft worker elsewhere holds; run both under `tessera up` (a draft_worker role)")
     own_draft = spec.draft not in (None, "ngram")
     worker_args, gateway_args = process_args(engine, gateway, admission, worker_port, grace,
-                                             draft_port if own_draft else None, generation, chat)
+                                             draft_port if own_draft else None, generation, chat, tracing)
     with tempfile.TemporaryDirectory(prefix="tessera-serve-") as scratch:
         roles = ("worker", "gateway", "draft-worker")    # certs: a tool (a test) that calls them too
         tls = {r: pathlib.Path(certs) / r for r in roles} if certs else write_role_dirs(scratch, "serve", roles)
         children = [Child("draft-worker-0", "draft_worker",
-                          tessera_argv(draft_worker_args(engine, draft_port, grace)), essential=False,
+                          tessera_argv(draft_worker_args(engine, draft_port, grace, tracing)), essential=False,
                           env={TLS_ENV: str(tls["draft-worker"])})] if own_draft else []
         children += [Child("worker-0", "worker", tessera_argv(worker_args), env={TLS_ENV: str(tls["worker"])}),
                      Child("gateway-0", "gateway", tessera_argv(gateway_args), env={TLS_ENV: str(tls["gateway"])})]

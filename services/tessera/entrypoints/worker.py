@@ -14,7 +14,7 @@ from dataclasses import replace
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tessera import logs, mtls
+from tessera import logs, mtls, tracing
 from tessera.async_engine import AsyncEngine
 from tessera.chat_config import ChatConfig, template_name, template_text
 from tessera.config import ConfigError, EngineConfig
@@ -49,7 +49,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Generate(self, request, context):
         metadata = dict(context.invocation_metadata() or ())
         try:
-            async for chunk in self._outputs(request, metadata.get("x-request-id")):
+            carrier = {k: metadata[k] for k in ("traceparent", "tracestate") if k in metadata}
+            async for chunk in self._outputs(request, metadata.get("x-request-id"), carrier):
                 yield convert.chunk_to_proto(chunk)
         except WorkerError as e:
             await context.abort(*convert.error_to_status(e))
@@ -61,9 +62,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         message carries one step of the whole session."""
         outbox, running = _Outbox(), {}
 
-        async def generate(msg, log_id: str) -> None:
+        async def generate(msg, log_id: str, carrier: dict) -> None:
             try:
-                async for chunk in self._outputs(msg, log_id):
+                async for chunk in self._outputs(msg, log_id, carrier):
                     outbox.put(convert.update_to_proto(msg.request_id, chunk))
             except WorkerError as e:
                 outbox.put(convert.update_to_proto(msg.request_id, error=e))
@@ -89,7 +90,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                             outbox.put(convert.update_to_proto(rid, error=InvalidRequest(
                                 f"request id {rid} is already running", "request_id")))
                         else:
-                            running[rid] = task = asyncio.create_task(generate(msg.generate, msg.log_request_id))
+                            running[rid] = task = asyncio.create_task(generate(msg.generate, msg.log_request_id,
+                                                                                dict(msg.trace_context)))
                             task.add_done_callback(functools.partial(finished, rid))
                     elif msg.abort in running:
                         running[msg.abort].cancel()
@@ -108,10 +110,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             for task in list(running.values()):
                 task.cancel()
 
-    async def _outputs(self, request, log_id: str | None):
-        """One generation's chunks; its failure as a WorkerError."""
+    async def _outputs(self, request, log_id: str | None, carrier: dict):
+        """One generation's chunks; its failure as a WorkerError. carrier: the gateway's trace
+        context (tracing.py), whose child this request's span is."""
         logs.request_id.set(log_id or request.request_id)
-        t0, tokens, finish, prompt = time.monotonic(), 0, None, None
+        span = tracing.server_span("worker.generate", carrier, **{"tessera.request_id": request.request_id})
+        t0, tokens, finish, prompt, chunk, error = time.monotonic(), 0, None, None, None, None
         try:
             req = convert.generate_request_from_proto(request)
             logs.event(log, "generate", prompt="messages" if req.messages is not None else
@@ -122,13 +126,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 finish = chunk.finish_reason or finish
                 yield chunk
         except ConfigError as e:
-            raise InvalidRequest(str(e)) from None
+            error = InvalidRequest(str(e))
+            raise error from None
         except WorkerError as e:
+            error = e
             logs.event(log, "generate failed", error=str(e))
             raise
         finally:
             logs.event(log, "generate done", prompt_tokens=prompt, completion_tokens=tokens, finish_reason=finish,
                        duration_ms=round((time.monotonic() - t0) * 1000, 1))
+            tracing.end_generation(span, chunk, prompt, tokens, finish, error)
 
     async def Abort(self, request, context):
         self.engine.abort(request.request_id)

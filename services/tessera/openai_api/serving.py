@@ -13,6 +13,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from tessera import tracing
 from tessera.metrics import GatewayMetrics
 from tessera.openai_api.errors import error_body
 from tessera.openai_api.tool_stream import ToolStream
@@ -211,8 +212,9 @@ async def stream(first, events, num_choices: int, shape: StreamShape) -> AsyncIt
         if not item.text and not item.finish_reason and not (shape.logprobs and item.logprobs):
             continue
         yield shape.chunk([_stream_choice(shape, i, item, offset)])
+    counted = tracing.record_usage(usage(choices, shape.n), [c.finish_reason for c in choices])
     if shape.include_usage:
-        yield shape.chunk([], usage(choices, shape.n))
+        yield shape.chunk([], counted)
 
 
 async def sse_lines(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:

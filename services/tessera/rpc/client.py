@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import AsyncIterator
 
 import grpc
 
-from tessera import logs, mtls
+from tessera import logs, mtls, tracing
 from tessera.rpc import convert, options
 from tessera.rpc.v1 import worker_pb2, worker_pb2_grpc
 from tessera.worker_api import (GenerateChunk, GenerateInput, InvalidRequest, Misconfigured, Tokenized, TokenizeInput,
@@ -58,11 +59,25 @@ class GrpcWorkerClient:
         version has no Session; when a session fails with an error of no known kind before the
         worker said anything, the worker is asked why (_refusal): one that lacks Session gets one
         Generate stream per request, as those workers expect; one that refuses this gateway
-        (Misconfigured) is reported as such."""
+        (Misconfigured) is reported as such. With tracing on, the call is a "route" span naming
+        the worker, and the worker's spans are its children (the carrier)."""
+        span, carrier = tracing.client_span("route", self.address)
+        error: BaseException | None = None
+        try:
+            async with contextlib.aclosing(self._generate(request, carrier)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            tracing.end(span, error if isinstance(error, Exception) else None)
+
+    async def _generate(self, request: GenerateInput, carrier: dict) -> AsyncIterator[GenerateChunk]:
         if not self._no_session:
             session = self._session_now()
             try:
-                async for chunk in self._over_session(session, request):
+                async for chunk in self._over_session(session, request, carrier):
                     yield chunk
                 return
             except WorkerError as e:   # UNIMPLEMENTED, or INTERNAL (see _refusal): no known kind
@@ -73,11 +88,12 @@ class GrpcWorkerClient:
                 if refusal.grpc_status != "UNIMPLEMENTED":
                     raise refusal from None
                 self._no_session = True
-        async for chunk in self._over_generate(request):
+        async for chunk in self._over_generate(request, carrier):
             yield chunk
 
-    async def _over_session(self, session: _Session, request: GenerateInput) -> AsyncIterator[GenerateChunk]:
-        q = session.start(request, logs.request_id.get() or request.request_id)
+    async def _over_session(self, session: _Session, request: GenerateInput,
+                            carrier: dict) -> AsyncIterator[GenerateChunk]:
+        q = session.start(request, logs.request_id.get() or request.request_id, carrier)
         finished = False
         try:
             while not finished:
@@ -108,10 +124,10 @@ class GrpcWorkerClient:
             return refusal if isinstance(refusal, Misconfigured) else None
         return None
 
-    async def _over_generate(self, request: GenerateInput) -> AsyncIterator[GenerateChunk]:
+    async def _over_generate(self, request: GenerateInput, carrier: dict) -> AsyncIterator[GenerateChunk]:
         request_id = ("x-request-id", logs.request_id.get() or request.request_id)
         call = self._stub.Generate(convert.generate_request_to_proto(request),
-                                   metadata=(request_id,))
+                                   metadata=(request_id, *carrier.items()))
         try:
             while (msg := await self._next(call.read())) is not grpc.aio.EOF:
                 yield convert.chunk_from_proto(msg)
@@ -187,12 +203,12 @@ class _Session:
         self._call = stub.Session(self._requests())
         self._reader = asyncio.create_task(self._read())
 
-    def start(self, request: GenerateInput, log_id: str) -> asyncio.Queue:
+    def start(self, request: GenerateInput, log_id: str, carrier: dict | None = None) -> asyncio.Queue:
         if request.request_id in self._open:
             raise InvalidRequest(f"request id {request.request_id} is already running", "request_id")
         q: asyncio.Queue = asyncio.Queue()
         self._open[request.request_id] = q
-        self._outgoing.put_nowait(convert.session_generate(request, log_id))
+        self._outgoing.put_nowait(convert.session_generate(request, log_id, carrier))
         return q
 
     def end(self, request_id: str, abort: bool) -> None:

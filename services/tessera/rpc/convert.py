@@ -66,8 +66,10 @@ def generate_request_to_proto(req: GenerateInput) -> worker_pb2.GenerateRequest:
     return msg
 
 
-def session_generate(req: GenerateInput, log_request_id: str) -> worker_pb2.SessionRequest:
-    return worker_pb2.SessionRequest(generate=generate_request_to_proto(req), log_request_id=log_request_id)
+def session_generate(req: GenerateInput, log_request_id: str,
+                     trace_context: dict[str, str] | None = None) -> worker_pb2.SessionRequest:
+    return worker_pb2.SessionRequest(generate=generate_request_to_proto(req), log_request_id=log_request_id,
+                                     trace_context=trace_context or {})
 
 
 def session_abort(request_id: str) -> worker_pb2.SessionRequest:

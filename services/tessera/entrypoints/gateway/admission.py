@@ -36,7 +36,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from tessera import redis_conn
+from tessera import redis_conn, tracing
 from tessera.openai_api.errors import APIError
 from tessera.openai_api.params import RequestRules
 
@@ -126,7 +126,8 @@ class Admission:
             raise self.reject(429, "Too many failed authentication attempts; retry later.",
                               "rate_limit_exceeded", max(1, round(WINDOW_S - (now - window))))
         try:
-            return await self._authenticate(authorization)
+            with tracing.span("authentication"):
+                return await self._authenticate(authorization)
         except APIError as e:
             if e.status == 401:
                 self._remember(self._failures, client, (count + 1 if now - window < WINDOW_S else 1,
@@ -149,9 +150,10 @@ class Admission:
     async def admit(self, key: KeyInfo | None, cost: int = 1) -> "Ticket":
         """Rate limits and the in-flight bound for `cost` generations: raise APIError (429/503)
         or return a ticket to release when the request ends."""
-        if key is not None and (key.rpm or key.tpm):
-            await self._check_limits(key, cost)
-        return self.hold(cost, key)
+        with tracing.span("admission", **{"tessera.generations": cost}):
+            if key is not None and (key.rpm or key.tpm):
+                await self._check_limits(key, cost)
+            return self.hold(cost, key)
 
     def hold(self, cost: int = 1, key: KeyInfo | None = None) -> "Ticket":
         """Only the in-flight bound (the deep health probe is bounded by it too)."""

@@ -28,6 +28,7 @@ from tessera.entrypoints.gateway.admission import Admission, AdmissionConfig, Ti
 from tessera.entrypoints.gateway.responses import chat_body, completion_body
 from tessera.entrypoints.gateway.responses_routes import add_responses_routes
 from tessera.entrypoints.gateway.tokenize_routes import PATHS as TOKENIZE_PATHS, add_tokenize_routes
+from tessera.entrypoints.gateway.trace_middleware import NATIVE_TELEMETRY_OFF, TraceMiddleware
 from tessera.generation_defaults import GenerationDefaults
 from tessera.metrics import GatewayMetrics
 from tessera.openai_api.errors import APIError, error_body, error_response, validation_message
@@ -61,10 +62,11 @@ def create_app(client: WorkerClient, model_name: str, background=(), admission: 
             task.cancel()
         await admission.close()
 
-    app = FastAPI(title="Tessera", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="Tessera", version="0.1.0", lifespan=lifespan, **NATIVE_TELEMETRY_OFF)
     metrics = GatewayMetrics(model_name)
     app.state.client, app.state.metrics, app.state.admission = client, metrics, admission
     _add_middleware_and_errors(app, metrics, admission, batch.body_limits if batch is not None else {})
+    app.add_middleware(TraceMiddleware, model_name=model_name)   # outermost: the access log line is in its span
     _add_openai_routes(app, client, metrics, model_name, admission, _Defaults(client))
     add_responses_routes(app, batch)
     add_tokenize_routes(app, client, model_name, admission)
