@@ -144,13 +144,12 @@ def main() -> int:
                     rows.append(row)
             finally:
                 server.stop()
-        # written after every round: a run cut short keeps the rounds it finished
-        summary = medians(rows)
-        names = " and ".join(f"{s.name} ({s.dtype})" for s in servers)
-        save(a.out, "load", f"Load curve {a.input_len}/{a.output_len}: {names}, {r + 1} alternating rounds", rows,
-             details={"medians": summary})
+    summary = medians(rows)
     for line in summary:
         print(json.dumps(line))
+    names = " and ".join(f"{s.name} ({s.dtype})" for s in servers)
+    save(a.out, "load", f"Load curve {a.input_len}/{a.output_len}: {names}, {a.rounds} alternating rounds", rows,
+         details={"medians": summary})
     return 0
 
 
