@@ -8,14 +8,13 @@ import re
 import secrets
 import threading
 import time
-from concurrent import futures
 
-import grpc
 import openai
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 import servers
+from otlp_receiver import Receiver, attrs, value
 from tessera import tracing
 from tessera.deploy.topology import Topology
 
@@ -23,46 +22,6 @@ pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"
 ROOT_NAME = "POST /v1/chat/completions"
 WORKER_PHASES = {"worker.generate", "queue", "prefill", "decode"}
-
-
-class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-    """Collects every exported span as (service.name, span)."""
-
-    def __init__(self) -> None:
-        self.spans: list = []
-        self.lock = threading.Lock()
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        self.server.start()
-
-    def Export(self, request, context):
-        with self.lock:
-            for rs in request.resource_spans:
-                resource = {kv.key: _value(kv.value) for kv in rs.resource.attributes}
-                for ss in rs.scope_spans:
-                    self.spans += [(resource, span) for span in ss.spans]
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def trace(self, trace_id: str) -> list:
-        with self.lock:
-            return [(r, s) for r, s in self.spans if s.trace_id.hex() == trace_id]
-
-    def wait_for(self, trace_id: str, names: set[str], timeout_s: float = 20.0) -> list:
-        servers.wait_until(lambda: names <= {s.name for _, s in self.trace(trace_id)}, timeout_s,
-                           f"spans {sorted(names)} of trace {trace_id}")
-        return self.trace(trace_id)
-
-
-def _value(v):
-    kind = v.WhichOneof("value")
-    if kind == "array_value":
-        return [_value(x) for x in v.array_value.values]
-    return getattr(v, kind) if kind else None
-
-
-def attrs(span) -> dict:
-    return {kv.key: _value(kv.value) for kv in span.attributes}
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +170,7 @@ def test_http_protobuf_exporter_service_name_override_and_replica(tmp_path):
     finally:
         server.shutdown()
     assert [path for path, _ in got] == ["/v1/traces"]
-    resource = {kv.key: _value(kv.value) for kv in got[0][1].resource_spans[0].resource.attributes}
+    resource = {kv.key: value(kv.value) for kv in got[0][1].resource_spans[0].resource.attributes}
     assert resource["service.name"] == "my-worker" and resource["tessera.replica"] == 3
     assert got[0][1].resource_spans[0].scope_spans[0].spans[0].name == "GET /v1/models"
 
