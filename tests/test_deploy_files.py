@@ -3,7 +3,9 @@
 with the topology (image, commands, ports, probes, replicas); and every compose file's services
 run here as local processes (service names -> 127.0.0.1, each port moved to a free one), their
 own healthcheck commands pass (with each container's certificate, as `tessera certs` writes
-them), and a chat request through the gateway gets an answer. No secret is in any rendered file."""
+them), and a chat request through the gateway gets an answer; where the file has the
+observability stack, its Tempo is an OTLP receiver here and the request's trace must reach it.
+No secret is in any rendered file. (tests/test_observability_stack.py checks the stack itself.)"""
 from __future__ import annotations
 
 import contextlib
@@ -18,7 +20,9 @@ import httpx
 import pytest
 import yaml
 
-from servers import free_port
+from otlp_receiver import Receiver
+from servers import free_port, wait_until
+from tessera.deploy import observability
 from tessera.deploy.render import IMAGE, VLLM_IMAGE, render
 from tessera.deploy.topology import Topology
 from tessera.deploy.up import stop
@@ -26,6 +30,18 @@ from tessera.deploy.up import stop
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOPOLOGIES = sorted((ROOT / "deploy" / "topologies").glob("*.yaml"))
 SECRETS = {"REDIS_PASSWORD": "compose-test-pw"}
+STACK = {p.name for p in observability.PARTS}    # the observability stack's services: not run here
+
+
+def tessera_services(spec: dict) -> dict:
+    """A compose file's services, less the observability stack's."""
+    return {name: s for name, s in spec["services"].items() if name not in STACK}
+
+
+def tessera_objects(docs: list[dict], kind: str) -> dict:
+    """The Kubernetes objects of one kind that Tessera's roles make (the stack's are labelled apart)."""
+    return {d["metadata"]["name"]: d for d in docs
+            if d["kind"] == kind and d["metadata"]["labels"]["app.kubernetes.io/name"] == "tessera"}
 
 
 def _rel(path: pathlib.Path) -> str:
@@ -45,8 +61,7 @@ def test_rendered_files_match_the_topology(path):
 def test_kubernetes_objects_agree_with_the_topology(path):
     topology = Topology.load(path)
     docs = list(yaml.safe_load_all((ROOT / "deploy/k8s" / path.stem / "tessera.yaml").read_text()))
-    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
-    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    deployments, services = tessera_objects(docs, "Deployment"), tessera_objects(docs, "Service")
     replicas = {}
     for name, d in deployments.items():
         spec = d["spec"]["template"]["spec"]
@@ -102,7 +117,7 @@ def _secrets_come_from_the_operators_secret(deployments, registry: bool) -> None
 
 @pytest.mark.parametrize("path", TOPOLOGIES, ids=lambda p: p.stem)
 def test_compose_files_take_secrets_from_the_environment(path):
-    services = yaml.safe_load((ROOT / "deploy/compose" / path.name).read_text())["services"]
+    services = tessera_services(yaml.safe_load((ROOT / "deploy/compose" / path.name).read_text()))
     registry = Topology.load(path).registry
     for service in services.values():
         if registry:
@@ -118,15 +133,19 @@ def test_compose_files_take_secrets_from_the_environment(path):
 
 
 class LocalCompose:
-    """A compose file's services as processes here: names -> 127.0.0.1, ports -> free ports."""
+    """A compose file's services as processes here: names -> 127.0.0.1, ports -> free ports.
+    The observability stack's services do not run; `tempo` is the receiver at `traces_port`."""
 
-    def __init__(self, path: pathlib.Path, tmp: pathlib.Path, certs: pathlib.Path) -> None:
+    def __init__(self, path: pathlib.Path, tmp: pathlib.Path, certs: pathlib.Path,
+                 traces_port: int | None = None) -> None:
         self.spec = yaml.safe_load(path.read_text())
-        self.services = self.spec["services"]
+        self.services = tessera_services(self.spec)
         self.ports = {}
         for s in self.services.values():
             cmd = " ".join(s["command"])
             self.ports[re.search(r"--port (\d+)", cmd)[1]] = str(free_port())
+        if traces_port is not None:
+            self.ports[str(observability.OTLP_GRPC)] = str(traces_port)
         self.tmp, self.vars = tmp, {**SECRETS, "TESSERA_CERTS": str(certs)}
 
     def interpolate(self, a: str) -> str:
@@ -145,7 +164,7 @@ class LocalCompose:
         for i, a in enumerate(map(self.interpolate, args)):
             if i and args[i - 1] in ("--port", "-p"):
                 a = self.ports[a]
-            elif a in self.services:
+            elif a in self.services or a in STACK:
                 a = "127.0.0.1"
             a = re.sub(r"([\w.-]+):(\d+)", lambda m: (f"127.0.0.1:{self.ports[m[2]]}" if m[2] in self.ports
                                                       else m[0]), a)
@@ -184,21 +203,32 @@ class LocalCompose:
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("path", sorted((ROOT / "deploy" / "compose").glob("*.yaml")), ids=lambda p: p.stem)
-def test_compose_services_run_as_local_processes(path, tmp_path):
+def test_compose_services_run_as_local_processes(path, tmp_path, monkeypatch):
     topology = ROOT / "deploy" / "topologies" / path.name
     subprocess.run([sys.executable, "-m", "tessera.cli", "certs", str(topology), "--out", str(tmp_path / "certs")],
                    check=True)   # what the compose file's header tells the operator to run
-    compose = LocalCompose(path, tmp_path, tmp_path / "certs")
+    receiver = Receiver() if observability.TEMPO in yaml.safe_load(path.read_text())["services"] else None
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")     # spans leave within 0.2 s, not 5 s
+    compose = LocalCompose(path, tmp_path, tmp_path / "certs", receiver and receiver.port)
     commands = [s["command"] for s in compose.services.values()]
     if any(c[c.index("--engine") + 1] == "vllm" for c in commands if "--engine" in c) and \
             not (ROOT / ".venv-vllm" / "bin" / "python").exists():
         pytest.skip("its vLLM workers need `make setup-vllm` (.venv-vllm)")
     published = [s for s in compose.services.values() if "ports" in s]
     assert len(published) == 1 and published[0]["command"][1] == "gateway"   # only the gateway's port
-    with compose.up() as url:
-        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-        r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
-            "model": model, "max_tokens": 8, "temperature": 0,
-            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["message"]["content"]
+    try:
+        with compose.up() as url:
+            model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+            r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+                "model": model, "max_tokens": 8, "temperature": 0,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"]
+            if receiver:   # the request's trace at the stack's Tempo: the gateway's spans and its worker's
+                trace_id = r.headers["x-trace-id"]
+                names = lambda: {res["service.name"] for res, _ in receiver.trace(trace_id)}   # noqa: E731
+                wait_until(lambda: len(names()) >= 2, 30, f"spans of trace {trace_id} from two processes")
+                assert "tessera-gateway" in names()
+    finally:
+        if receiver:
+            receiver.server.stop(0)

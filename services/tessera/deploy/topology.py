@@ -8,6 +8,7 @@ Kubernetes files (deploy/compose/, deploy/k8s/).
     dtype: auto
     transport: auto           # M2N backend for AFD roles
     otlp_traces_endpoint: http://collector:4317   # optional: every process's traces (tessera up --otlp-traces-endpoint)
+    observability: true       # optional: renders add Tempo, Prometheus and Grafana (observability.py)
     roles:
       redis:   {port: 6379}               # discovery: workers register, the gateway watches
       worker:  {replicas: 2, port: 50051}
@@ -35,6 +36,11 @@ themselves and the gateway discovers them; without it the gateway gets a static 
 list. Roles start in dependency order (ROLE_ORDER). Where processes run (one host, compose
 services, Kubernetes pods) is a Placement: it says which address binds and how one reaches
 replica i of a role.
+
+`observability: true` (off by default) adds the stack of observability.py to the rendered files,
+and every rendered process sends its traces to that stack's Tempo unless otlp_traces_endpoint
+names another receiver. `tessera up` cannot reach the stack's in-cluster name: locally the option
+changes nothing, and otlp_traces_endpoint alone turns traces on.
 """
 from __future__ import annotations
 
@@ -44,6 +50,7 @@ from dataclasses import dataclass, field, replace
 import yaml
 
 from tessera.config import ConfigError
+from tessera.deploy.observability import TEMPO_OTLP_ENDPOINT
 
 ROLE_ORDER = ("redis", "worker", "draft_worker", "target_worker", "expert_node", "attention_node", "pipeline_shard",
               "gateway")
@@ -131,6 +138,7 @@ class Topology:
     transport: str
     roles: dict
     otlp_traces_endpoint: str | None = None   # every process sends its traces here (--otlp-traces-endpoint)
+    observability: bool = False   # renders add Tempo, Prometheus and Grafana (observability.py)
 
     @classmethod
     def load(cls, path: str | pathlib.Path) -> "Topology":
@@ -177,9 +185,11 @@ class Topology:
                 replicas = len(spec["stages"])
             roles[name] = Role(name, replicas, int(port), spec)
         _check_pairs(path, roles)
+        if not isinstance(data.get("observability", False), bool):
+            raise ConfigError(f"{path}: observability is true or false")
         return cls(data.get("name", pathlib.Path(path).stem), str(data.get("model", "smollm2")),
                    str(data.get("dtype", "auto")), str(data.get("transport", "auto")), roles,
-                   data.get("otlp_traces_endpoint"))
+                   data.get("otlp_traces_endpoint"), data.get("observability", False))
 
     def _spec_flags(self, i: int, place: Placement, target: bool) -> list[str]:
         """The drafter and tree flags, the same for a draft worker and its target; the target
@@ -221,13 +231,21 @@ class Topology:
                                    tuple(self._argv(role, i, place) + self._tracing_argv(role, i, place))))
         return out
 
+    def traces_endpoint(self, place: Placement) -> str | None:
+        """Where the processes send traces: otlp_traces_endpoint if set, else (observability on)
+        the stack's Tempo, which only services placed by name (compose, Kubernetes) can reach."""
+        if self.otlp_traces_endpoint or not (self.observability and place.by_service_name):
+            return self.otlp_traces_endpoint
+        return TEMPO_OTLP_ENDPOINT
+
     def _tracing_argv(self, role: Role, i: int, place: Placement) -> list[str]:
         """Where every tessera process sends its traces, and its replica index (not in a
         Kubernetes Deployment, whose pods share one command line)."""
-        if not self.otlp_traces_endpoint or role.name == "redis":
+        endpoint = self.traces_endpoint(place)
+        if not endpoint or role.name == "redis":
             return []
         replica = [] if isinstance(place, PodPlacement) else ["--trace-replica", str(i)]
-        return ["--otlp-traces-endpoint", self.otlp_traces_endpoint, *replica]
+        return ["--otlp-traces-endpoint", endpoint, *replica]
 
     def _argv(self, role: Role, i: int, place: Placement) -> list[str]:
         port = str(role.port + i)
