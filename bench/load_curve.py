@@ -6,7 +6,8 @@ state, not one wave), C prompts at and above it (all at once, as the headline's 
 Each point draws new prompts (its own seed), so no point hits the prefix cache of another.
 
     .venv/bin/python bench/load_curve.py [--servers tessera,vllm] [--concurrency 1,4,16,64,128]
-        [--rounds 3] [--tessera-dtype bfloat16] [--vllm-dtype bfloat16] [--out bench/results/F.json]
+        [--rounds 3] [--tessera-dtype bfloat16] [--vllm-dtype bfloat16] [--tessera-args '--max-num-seqs 128']
+        [--out bench/results/F.json]
     long prompts: --concurrency 16 --num-prompts 16 --input-len 2048 --output-len 16
 
 Each server is started once per round and stopped after its points (one server at a time on the
@@ -20,6 +21,7 @@ import argparse
 import json
 import os
 import pathlib
+import shlex
 import socket
 import statistics
 import subprocess
@@ -55,13 +57,14 @@ def wait_up(url: str, proc: subprocess.Popen | None, seconds: float = 900) -> No
 class Tessera:
     name = "tessera"
 
-    def __init__(self, dtype: str, max_model_len: int):
-        self.dtype, self.max_model_len = dtype, max_model_len
+    def __init__(self, dtype: str, max_model_len: int, extra: str = ""):
+        self.dtype, self.max_model_len, self.extra = dtype, max_model_len, shlex.split(extra)
 
     def start(self) -> str:
         port = free_port()
         self.proc = subprocess.Popen([PY, "-m", "tessera.cli", "serve", "--dtype", self.dtype, "--port", str(port),
-                                      "--worker-port", str(free_port()), "--max-model-len", str(self.max_model_len)],
+                                      "--worker-port", str(free_port()), "--max-model-len", str(self.max_model_len),
+                                      *self.extra],
                                      cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=True)
         url = f"http://127.0.0.1:{port}"
@@ -118,13 +121,14 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tessera-dtype", default="bfloat16")
     p.add_argument("--vllm-dtype", default="bfloat16")
+    p.add_argument("--tessera-args", default="", help="more `tessera serve` flags, e.g. '--max-num-seqs 128'")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=None, help="prompts at every point (default: see above)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     fit = a.input_len + a.output_len + 16
-    kinds = {"tessera": Tessera(a.tessera_dtype, max(fit, 1024)), "vllm": VLLM(a.vllm_dtype, max(fit, 1024))}
+    kinds = {"tessera": Tessera(a.tessera_dtype, max(fit, 1024), a.tessera_args), "vllm": VLLM(a.vllm_dtype, max(fit, 1024))}
     servers = [kinds[s] for s in a.servers.split(",")]
     levels = [int(c) for c in a.concurrency.split(",")]
     rows = []
@@ -136,6 +140,7 @@ def main() -> int:
                     res = point(url, c, seed=1000 * (r + 1) + c, a=a)
                     row = {"round": r + 1, "round_utc": time.strftime("%H:%M:%S", time.gmtime()),
                            "server": server.name, "dtype": server.dtype, "concurrency": c,
+                           **({"server_args": a.tessera_args} if server.name == "tessera" and a.tessera_args else {}),
                            "num_prompts": res["num_prompts"], "input_len": a.input_len, "output_len": a.output_len,
                            "output_tok_s": res["output_tok_s"], "tpot_p50_ms": res["tpot_ms"]["p50"],
                            "tpot_p99_ms": res["tpot_ms"]["p99"], "ttft_p50_ms": res["ttft_ms"]["p50"],

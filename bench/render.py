@@ -46,6 +46,10 @@ PAGES = {
                  ("pq", "pq-error", "pq-indicator")),
     "quantization": ("Quantization", "Decode speed and held-out perplexity by weight bit-width (`tessera bench "
                      "quant`).", ("quant",)),
+    "observability": ("Observability", "What OpenTelemetry tracing costs a served model (`bench/tracing_cost.py`: "
+                      "tracing off, on with every request sampled, and the code before tracing, in alternating rounds) "
+                      "and where a split request's time goes, drawn from its spans (`tessera bench timeline`).",
+                      ("tracing", "timeline")),
     "reliability": ("Reliability and TLS", "Long runs under faults (`loadtest/chaos.py`) and what mutual TLS costs "
                     "on the internal links.", ("chaos", "tls")),
 }
@@ -56,7 +60,8 @@ HEADINGS = {"engine": "Offline engine", "kernel": "Kernels against their referen
             "m2n": "M2N transport", "pq": "Plans: predicted against measured", "pq-error": "Cost-model error",
             "pq-indicator": "Quantization-sensitivity indicator", "chaos": "Faults under load",
             "tls": "What mutual TLS costs", "grammar": "Grammar libraries",
-            "ab": "Against an earlier commit", "load": "Load curve"}
+            "ab": "Against an earlier commit", "load": "Load curve", "tracing": "What tracing costs",
+            "timeline": "Timelines from spans"}
 # the columns a benchmark's table starts with (the rest follow in the order they first appear)
 FIRST = {
     "served": ("server", "dtype", "quantization", "num_prompts", "concurrency", "input_len", "output_len",
@@ -69,6 +74,8 @@ FIRST = {
     "spec": ("prompt_kind", "mode", "draft", "target", "baseline_tok_s", "spec_tok_s", "speedup", "mean_accepted"),
     "afd": ("mode", "micro_batches", "attention_nodes", "expert_nodes", "batch", "throughput_tok_s", "simulated"),
     "pq": ("plan", "devices", "bits", "predicted_tok_s", "measured_tok_s"),
+    "tracing": ("round", "variant", "concurrency", "num_prompts", "output_tok_s", "tpot_p50_ms", "ttft_p50_ms",
+                "spans_exported"),
     "quant": ("quantization", "dtype", "batch_size", "batch", "tok_s", "perplexity"),
 }
 

@@ -256,7 +256,39 @@ def load_plot(stem: str, doc: dict) -> list[Plot]:
     return [(f"{stem}-curve.png", draw)]
 
 
-PER_FILE = {"served": sample_plot, "spec": spec_plot, "chaos": chaos_plot, "load": load_plot}
+def timeline_plot(stem: str, doc: dict) -> list[Plot]:
+    """The kept steps' spans (`tessera bench timeline`): one row per process and kind of work,
+    time in ms across; a micro-batch's spans share a hatch, so its ping-pong can be followed."""
+    d = doc.get("details") or {}
+    spans = [s for s in d.get("spans", []) if s["name"] not in ("afd.step", "spec.round", "pipeline.step")]
+    if not spans:
+        return []
+    rows = list(dict.fromkeys((s["process"], s["name"]) for s in sorted(spans, key=lambda s: (s["process"], s["name"]))))
+    names = list(dict.fromkeys(s["name"] for s in spans))
+    hatches = ("", "//", "..", "xx")
+
+    def draw(plt):
+        fig, (ax,) = _figure(plt, 1, 0.9 + 0.32 * len(rows))
+        fig.set_figwidth(10.5)
+        for s in spans:
+            y = rows.index((s["process"], s["name"]))
+            ax.broken_barh([(s["start_ms"], max(s["end_ms"] - s["start_ms"], 0.002))], (y - 0.4, 0.8),
+                           color=CYCLE[names.index(s["name"]) % len(CYCLE)], edgecolor="black", linewidth=0.2,
+                           hatch=hatches[int(s.get("micro_batch") or 0) % len(hatches)])
+        ax.set_yticks(range(len(rows)), [f"{p}  {n}" for p, n in rows], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("ms")
+        fraction = d.get("overlap_fraction")
+        ax.set_title(f"{d.get('kind')}: {d.get('steps')} steps; overlap of {' and '.join(d.get('overlap_of', []))}: "
+                     f"{fraction if fraction is not None else 'n/a'}", fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+        fig.tight_layout()
+        return fig
+    return [(f"{stem}-timeline.png", draw)]
+
+
+PER_FILE = {"served": sample_plot, "spec": spec_plot, "chaos": chaos_plot, "load": load_plot,
+            "timeline": timeline_plot}
 
 
 def median(values) -> float | None:

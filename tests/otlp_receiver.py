@@ -17,12 +17,16 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
     def __init__(self) -> None:
         self.spans: list = []
         self.lock = threading.Lock()
+        self.hang = threading.Event()      # set: every Export blocks until `release` (a receiver that hangs)
+        self.release = threading.Event()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self.server)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
 
     def Export(self, request, context):
+        if self.hang.is_set():
+            self.release.wait(120)
         with self.lock:
             for rs in request.resource_spans:
                 resource = {kv.key: value(kv.value) for kv in rs.resource.attributes}

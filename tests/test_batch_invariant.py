@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import signal
 
 import httpx
@@ -16,6 +17,7 @@ import pytest
 import torch
 import yaml
 
+from otlp_receiver import Receiver, attrs
 from servers import Logged, free_port, free_port_range, wait_until
 
 DTYPES = ("float32", "bfloat16")
@@ -162,11 +164,12 @@ def test_the_kernel_without_tiles_gives_a_prompt_row_its_decode_bits(dtype):
         assert torch.equal(rows[i:i + 1], alone), i
 
 
-def _seeded_chat(client, model: str, i: int, first: asyncio.Event | None = None):
+def _seeded_chat(client, model: str, i: int, first: asyncio.Event | None = None, traceparent: str | None = None):
     async def run():
         stream = await client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": f"Tell a story about the number {i}."}],
-            stream=True, max_tokens=64, temperature=0.9, seed=100 + i, extra_body={"ignore_eos": True})
+            stream=True, max_tokens=64, temperature=0.9, seed=100 + i, extra_body={"ignore_eos": True},
+            extra_headers={"traceparent": traceparent} if traceparent else None)
         text = ""
         async for chunk in stream:
             if chunk.choices:
@@ -180,8 +183,12 @@ def _seeded_chat(client, model: str, i: int, first: asyncio.Event | None = None)
 @pytest.mark.e2e
 def test_up_a_seeded_stream_failed_over_in_bf16_ends_as_the_undisturbed_one(tmp_path):
     """`tessera up` with two bf16 workers in the mode: four seeded streams, worker-0 SIGKILLed
-    while they run; every stream's text equals what the same requests give undisturbed."""
+    while they run; every stream's text equals what the same requests give undisturbed. With
+    tracing on, a stream that failed over is one trace holding both workers: an attempt (route
+    span) to each, the first failed, the failover event, and the second worker's own spans
+    (the killed worker's spans die with it: SIGKILL ends no span)."""
     from openai import AsyncOpenAI
+    receiver = Receiver()
     spec = yaml.safe_load(open("deploy/topologies/single.yaml"))
     spec["dtype"] = "bfloat16"
     worker_port = free_port_range(2)
@@ -190,7 +197,10 @@ def test_up_a_seeded_stream_failed_over_in_bf16_ends_as_the_undisturbed_one(tmp_
     topology.write_text(yaml.safe_dump(spec))
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
-    up = Logged("up", str(topology), "--port", str(port), "--restart-backoff-s", "0.2", env=env)
+    env["OTEL_BSP_SCHEDULE_DELAY"] = "200"
+    up = Logged("up", str(topology), "--port", str(port), "--restart-backoff-s", "0.2",
+                "--otlp-traces-endpoint", f"http://127.0.0.1:{receiver.port}", env=env)
+    traces = [secrets.token_hex(16) for _ in range(4)]
     try:
         url = f"http://127.0.0.1:{port}"
         for i in range(2):
@@ -203,7 +213,9 @@ def test_up_a_seeded_stream_failed_over_in_bf16_ends_as_the_undisturbed_one(tmp_
             client = AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=180)
             before = await asyncio.gather(*(_seeded_chat(client, model, i) for i in range(4)))
             firsts = [asyncio.Event() for _ in range(4)]
-            tasks = [asyncio.create_task(_seeded_chat(client, model, i, firsts[i])) for i in range(4)]
+            tasks = [asyncio.create_task(_seeded_chat(client, model, i, firsts[i],
+                                                      f"00-{traces[i]}-{secrets.token_hex(8)}-01"))
+                     for i in range(4)]
             await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 120)
             assert not any(t.done() for t in tasks), "a stream ended before the kill"
             os.kill(up.pid("worker-0"), signal.SIGKILL)
@@ -213,5 +225,18 @@ def test_up_a_seeded_stream_failed_over_in_bf16_ends_as_the_undisturbed_one(tmp_
                      if line.startswith("tessera_gateway_failovers_total")]
         assert failovers and float(failovers[0].split()[-1]) >= 1, failovers
         assert after == before and all(before)
+        def failed_over():
+            return [t for t in traces if any(e.name == "failover" for _, s in receiver.trace(t) for e in s.events)]
+        wait_until(failed_over, 20, "no traced stream shows the failover")
+        for t in failed_over():
+            spans = receiver.wait_for(t, {"worker.generate", "decode"})
+            (root,) = [s for _, s in spans if s.name == "POST /v1/chat/completions"]
+            routes = sorted((s for _, s in spans if s.name == "route"), key=lambda s: s.start_time_unix_nano)
+            assert [attrs(s)["tessera.worker.address"].rsplit(":", 1)[1] for s in routes] == \
+                [str(worker_port), str(worker_port + 1)]
+            assert all(s.parent_span_id == root.span_id for s in routes) and routes[0].status.code == 2
+            workers = [(r, s) for r, s in spans if s.name == "worker.generate"]
+            assert [(r["tessera.replica"], s.parent_span_id) for r, s in workers] == [(1, routes[1].span_id)]
     finally:
         up.close()
+        receiver.server.stop(0)

@@ -9,6 +9,7 @@ import secrets
 import threading
 import time
 
+import httpx
 import openai
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
@@ -103,6 +104,45 @@ def test_a_malformed_traceparent_starts_a_new_trace(served, header):
     spans = receiver.wait_for(trace_id, {ROOT_NAME, "worker.generate"})
     root = [s for _, s in spans if s.name == ROOT_NAME][0]
     assert root.parent_span_id == b""
+
+
+def test_latency_histograms_carry_the_trace_id_as_an_exemplar(served):
+    """OpenMetrics (what Prometheus asks for) shows each latency histogram's last observation
+    with its request's trace id; the classic text format has no exemplars."""
+    url, _, _ = served
+    trace_id = secrets.token_hex(16)
+    chat(url, {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"})
+    scrape = httpx.get(url + "/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"})
+    assert scrape.headers["content-type"].startswith("application/openmetrics-text")
+    for histogram in ("tessera_time_to_first_token_seconds", "tessera_inter_token_latency_seconds",
+                      "tessera_e2e_request_latency_seconds"):
+        exemplars = re.findall(histogram + r'_bucket\{[^}]*\} \S+ # \{span_id="[0-9a-f]{16}",trace_id="([0-9a-f]{32})"\}',
+                               scrape.text)
+        assert trace_id in exemplars, histogram
+    assert "# {trace_id=" not in httpx.get(url + "/metrics").text
+
+
+def test_a_receiver_that_hangs_costs_requests_nothing(served):
+    """Exports block in the receiver: requests answer as before, and the exporters' failures
+    are logged once, not once a batch."""
+    url, receiver, log = served
+    before = log.read_text(errors="replace").count("export")
+    receiver.hang.set()
+    try:
+        for _ in range(4):
+            t0 = time.monotonic()
+            raw, response = chat(url, {})
+            assert raw.http_response.status_code == 200 and response.usage.completion_tokens > 0
+            assert time.monotonic() - t0 < 10
+            time.sleep(1.0)            # several export batches time out meanwhile
+        servers.wait_until(lambda: log.read_text(errors="replace").count("export") > before, 20,
+                           "the exporters' failure in the log")
+        time.sleep(3.0)
+        failures = [line for line in log.read_text(errors="replace").splitlines()[-200:] if "export" in line]
+        assert 1 <= len(failures) <= 2, failures        # at most one per process (gateway, worker)
+    finally:
+        receiver.hang.clear()
+        receiver.release.set()
 
 
 def test_tracing_on_without_a_receiver_still_answers(served):

@@ -152,7 +152,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = field(default=2048, metadata={
         "help": "tokens per engine step (longer prompts are prefilled in chunks); 2048, as vLLM's "
                 "server uses"})
-    max_num_seqs: int = field(default=64, metadata={"help": "requests running at once"})
+    max_num_seqs: int = field(default=128, metadata={"help": "requests running at once"})
     max_waiting: int = field(default=1024, metadata={
         "help": "queued requests before the worker answers Saturated (HTTP 503)"})
     max_queue_delay_ms: float = field(default=0.0, metadata={

@@ -1,10 +1,14 @@
 """Prometheus metrics of the gateway, named tessera_* with a model_name label (the same
 shapes as vllm: / sglang: so existing dashboards carry over), and of the worker and draft
-worker processes (`--metrics-port`). Each app owns its registry."""
+worker processes (`--metrics-port`). Each app owns its registry. With tracing on, the latency
+histograms carry the observing request's trace id as an exemplar, which only the OpenMetrics
+exposition shows (a scraper asks for it with its Accept header, as Prometheus does)."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.openmetrics import exposition as openmetrics
 
+from tessera import tracing
 from tessera.worker_api import GenerateChunk, WorkerInfo
 
 _EMITTED = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 32)
@@ -167,8 +171,12 @@ class GatewayMetrics:
     def observe_token(self, chunk: GenerateChunk, since_start: float, since_last: float, first: bool) -> None:
         if not chunk.token_ids:
             return
-        (self.ttft.observe(since_start) if first else self.itl.observe(since_last))
+        exemplar = _exemplar()
+        (self.ttft.observe(since_start, exemplar) if first else self.itl.observe(since_last, exemplar))
         self._gen.labels(self.model_name).inc(len(chunk.token_ids))
+
+    def observe_e2e(self, seconds: float) -> None:
+        self.e2e.observe(seconds, _exemplar())
 
     def observe_spec(self, chunk: GenerateChunk, seen: tuple[int, int]) -> tuple[int, int]:
         """seen: the choice's (accepted, rejected) draft tokens before this chunk. A chunk that
@@ -200,7 +208,9 @@ class GatewayMetrics:
     def count(self, status: int) -> None:
         self.requests.labels(self.model_name, str(status)).inc()
 
-    def render(self, info: WorkerInfo | None, pool=None, admission=None) -> bytes:
+    def render(self, info: WorkerInfo | None, pool=None, admission=None, accept: str = "") -> tuple[bytes, str]:
+        """(body, content type): OpenMetrics, exemplars included, when `accept` (the scraper's
+        Accept header) asks for it, else the classic text format."""
         if pool is not None:   # a WorkerPool: membership, routing decisions and failovers so far
             self._workers.labels(self.model_name).set(len(pool.members))
             self._failovers.labels(self.model_name).inc(pool.failovers - self._failovers_seen)
@@ -219,4 +229,12 @@ class GatewayMetrics:
             self._kv_free.labels(m).set(info.num_free_kv_blocks)
             used = 1 - info.num_free_kv_blocks / info.num_kv_blocks if info.num_kv_blocks else 0.0
             self._kv.labels(m).set(used)
-        return generate_latest(self.registry)
+        if "application/openmetrics-text" in accept:
+            return openmetrics.generate_latest(self.registry), openmetrics.CONTENT_TYPE_LATEST
+        return generate_latest(self.registry), "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _exemplar() -> dict | None:
+    """The current request's trace and span ids, when tracing is on."""
+    ids = tracing.current_ids() if tracing.enabled() else None
+    return {"trace_id": ids[0], "span_id": ids[1]} if ids else None

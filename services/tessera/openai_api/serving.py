@@ -96,7 +96,7 @@ async def _choice(client: WorkerClient, inp: GenerateInput, metrics: GatewayMetr
         yield WorkerError(f"{type(e).__name__}: {e}")
     finally:
         if metrics is not None:
-            metrics.e2e.observe(time.monotonic() - start)
+            metrics.observe_e2e(time.monotonic() - start)
 
 
 async def collect(client: WorkerClient, inputs: list[GenerateInput], metrics: GatewayMetrics | None

@@ -339,14 +339,15 @@ def _add_ops_routes(app: FastAPI, client: WorkerClient, metrics: GatewayMetrics,
         return {"status": "ok", "engine_roundtrip_s": round(time.monotonic() - t0, 4)}
 
     @app.get("/metrics")
-    async def prometheus():
+    async def prometheus(request: Request):
         info: WorkerInfo | None = None
         try:
             info = await client.info()
         except WorkerError:
             pass
         pool = client if hasattr(client, "failovers") else None
-        return Response(metrics.render(info, pool, admission), media_type="text/plain; version=0.0.4")
+        body, content_type = metrics.render(info, pool, admission, request.headers.get("accept", ""))
+        return Response(body, media_type=content_type)
 
 
 def _usage(body) -> bool:
