@@ -125,7 +125,7 @@ def test_the_shipped_compose_file_wires_the_stack_together():
     assert tempo["storage"]["trace"]["backend"] == "local"
     gateways = []
     for name, s in services.items():
-        if s["command"][0] == "tessera":
+        if s.get("command", [""])[0] == "tessera":
             assert _endpoint(s["command"]) == "http://tempo:4317", name
             if s["command"][1] == "gateway":
                 gateways.append(f"{name}:{_flag(s['command'], '--port')}")
@@ -244,12 +244,14 @@ def test_prometheus_keeps_the_exemplar_that_leads_to_the_trace(tmp_path, monkeyp
     receiver here. One chat request: Prometheus stores its latency with an exemplar whose
     trace_id (the label Grafana's exemplar link reads) is the request's, and the trace arrived."""
     spec = yaml.safe_load((ROOT / "deploy" / "compose" / SHIPPED_ON.name).read_text())
-    (gateway_cmd,) = [s["command"] for s in spec["services"].values() if s["command"][:2] == ["tessera", "gateway"]]
+    (gateway_cmd,) = [s["command"] for s in spec["services"].values()
+                      if s.get("command", [])[:2] == ["tessera", "gateway"]]
     receiver = Receiver()
     endpoint = _endpoint(gateway_cmd).replace(f"{obs.TEMPO}:{obs.OTLP_GRPC}", f"127.0.0.1:{receiver.port}")
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
     try:
-        with servers.tessera_serve("--max-model-len", "1024", "--otlp-traces-endpoint", endpoint) as url, \
+        with servers.tessera_serve("--max-model-len", "1024", "--graph-warmup-s", "0",
+                                   "--otlp-traces-endpoint", endpoint) as url, \
                 _prometheus(spec, url.removeprefix("http://"), tmp_path) as prom:
             client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
             raw = client.chat.completions.with_raw_response.create(
