@@ -28,7 +28,8 @@ def _tracing(a: argparse.Namespace) -> None:
     from tessera import tracing
     if a.command in tracing.SERVICE_NAMES:
         t = from_args(TracingConfig, a)
-        tracing.configure(a.command, t.otlp_traces_endpoint, replica=t.trace_replica, stage=getattr(a, "stage", None))
+        tracing.configure(a.command, t.otlp_traces_endpoint, replica=t.trace_replica, stage=getattr(a, "stage", None),
+                          level=t.trace_level)
 
 
 def _registration(a: argparse.Namespace):
@@ -119,6 +120,9 @@ def cmd_up(a: argparse.Namespace) -> int:
     from tessera.deploy.topology import Topology
     from tessera.deploy.up import up
     tracing = from_args(TracingConfig, a, exclude=ONE_PROCESS_TRACING)
+    if tracing.trace_level:   # every process it starts inherits the level
+        from tessera.tracing import LEVEL_ENV
+        os.environ[LEVEL_ENV] = tracing.trace_level
     return up(Topology.load(a.file).with_overrides(port=a.port, dtype=a.dtype,
                                                    otlp_traces_endpoint=tracing.otlp_traces_endpoint),
               from_args(SupervisorConfig, a), certs=a.certs)

@@ -7,7 +7,9 @@ OTLP exporter (gRPC, or HTTP/protobuf when OTEL_EXPORTER_OTLP(_TRACES)_PROTOCOL 
 thread of their own: a receiver that is down costs a dropped batch, never a request's time.
 The W3C context travels in a `carrier` dict (traceparent, tracestate): as gRPC metadata on a
 Generate call, in SessionRequest.trace_context on a session (one stream carries many requests).
-Prompts and outputs never go into spans.
+Prompts and outputs never go into spans. The detailed level (--trace-level detailed) adds spans
+per speculative round, AFD decode step and pipeline micro-batch (tracing_detail.py); it keeps
+each worker request's span by request id, so that the engine thread's step spans find its trace.
 """
 from __future__ import annotations
 
@@ -25,12 +27,16 @@ from tessera.config import ConfigError
 # `tessera COMMAND` -> service.name (OTEL_SERVICE_NAME overrides it).
 SERVICE_NAMES = {c: f"tessera-{c}" for c in ("gateway", "worker", "target-worker", "attention-node", "expert-node",
                                               "draft-worker", "pipeline-shard")}
+LEVELS = ("request", "detailed")
+LEVEL_ENV = "TESSERA_TRACE_LEVEL"   # the level when no flag names one (`tessera up` hands it on so)
 RESPONSE_HEADER = "x-trace-id"
 EXPORT_TIMEOUT_S = 2.0     # per export, unless OTEL_EXPORTER_OTLP(_TRACES)_TIMEOUT says otherwise
 WARN_EVERY_S = 60.0        # an exporter failing without pause says so once a minute, not once a batch
 
 _tracer = None             # set by configure(): tracing is on
+_detailed = False         # --trace-level detailed
 _request_span: contextvars.ContextVar = contextvars.ContextVar("request_span", default=None)
+_worker_spans: dict = {}  # request id -> its worker span, at the detailed level (server_span)
 
 
 @dataclass(frozen=True)
@@ -40,18 +46,34 @@ class TracingConfig:
                 "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT; none: tracing off)"})
     trace_replica: int | None = field(default=None, metadata={
         "help": "this process's replica index, a resource attribute of its spans (tessera up sets it)"})
+    trace_level: str | None = field(default=None, metadata={
+        "choices": LEVELS, "help": "request: spans per request and its phases; detailed: also per speculative "
+                                   "round, AFD decode step and pipeline micro-batch (default: "
+                                   f"${LEVEL_ENV}, else request)"})
 
 
 def enabled() -> bool:
     return _tracer is not None
 
 
+def detailed() -> bool:
+    return _detailed
+
+
+def tracer():
+    """This process's tracer (None when off)."""
+    return _tracer
+
+
 def configure(role: str, endpoint: str | None, service_name: str | None = None, replica: int | None = None,
-              stage: int | None = None) -> bool:
+              stage: int | None = None, level: str | None = None) -> bool:
     """Install the TracerProvider of this process, if a receiver is named; False: tracing off."""
-    global _tracer
+    global _tracer, _detailed
     endpoint = endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or \
         os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    level = level or os.environ.get(LEVEL_ENV) or "request"
+    if level not in LEVELS:
+        raise ConfigError(f"trace level {level!r}: choose from {', '.join(LEVELS)}", "trace_level")
     if not endpoint:
         return False
     try:
@@ -74,6 +96,7 @@ def configure(role: str, endpoint: str | None, service_name: str | None = None, 
     provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     _tracer = provider.get_tracer("tessera")
+    _detailed = level == "detailed"
     for name in ("opentelemetry.exporter.otlp.proto.grpc.exporter", "opentelemetry.exporter.otlp.proto.http",
                  "opentelemetry.exporter.otlp.proto.http.trace_exporter", "opentelemetry.sdk.trace.export"):
         logging.getLogger(name).addFilter(_Sparse())
@@ -216,7 +239,9 @@ def end(s, error: BaseException | None = None) -> None:
 def server_span(name: str, carrier: dict, **attributes):
     """The worker's SERVER span of one request, child of the gateway's call (carrier), made
     current for the rest of this task (each request runs in a task of its own, as
-    logs.request_id): its log lines carry its ids. None when off."""
+    logs.request_id): its log lines carry its ids. At the detailed level it is kept under its
+    `tessera.request_id` attribute (the engine's request id) until end_generation, for the
+    step spans of tracing_detail.py. None when off."""
     if _tracer is None:
         return None
     from opentelemetry import context, trace
@@ -225,7 +250,15 @@ def server_span(name: str, carrier: dict, **attributes):
     parent = TraceContextTextMapPropagator().extract(carrier) if carrier else None
     s = _tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes)
     context.attach(trace.set_span_in_context(s))
+    request_id = attributes.get("tessera.request_id")
+    if _detailed and request_id and s.is_recording():
+        _worker_spans[request_id] = s
     return s
+
+
+def worker_span(request_id: str):
+    """The recording worker span of an engine request, at the detailed level (else None)."""
+    return _worker_spans.get(request_id) if _detailed else None
 
 
 def end_generation(s, last, prompt_tokens: int | None, output_tokens: int, finish: str | None,
@@ -234,6 +267,8 @@ def end_generation(s, last, prompt_tokens: int | None, output_tokens: int, finis
     (the last chunk's: queue, prefill, decode, each a duration ending now): no span per token."""
     if s is None:
         return
+    if _worker_spans and s.is_recording():   # only recording spans were kept
+        _worker_spans.pop(s.attributes.get("tessera.request_id"), None)
     s.set_attributes({"gen_ai.usage.input_tokens": prompt_tokens or 0, "gen_ai.usage.output_tokens": output_tokens})
     if finish:
         s.set_attribute("gen_ai.response.finish_reasons", [finish])
@@ -252,3 +287,37 @@ def end_generation(s, last, prompt_tokens: int | None, output_tokens: int, finis
         for name, start, stop, attributes in phases:
             _tracer.start_span(name, context=parent, start_time=start, attributes=attributes).end(end_time=stop)
     end(s, error)
+
+
+# --- gRPC calls between the roles (the detailed level) --------------------------------------
+
+
+def outgoing_metadata() -> tuple:
+    """gRPC metadata making the callee's spans children of the span current here: the target's
+    round calls to its draft worker, at the detailed level (else nothing)."""
+    if not _detailed:
+        return ()
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+    carrier: dict[str, str] = {}
+    TraceContextTextMapPropagator().inject(carrier)
+    return tuple(carrier.items())
+
+
+@contextlib.contextmanager
+def rpc_span(name: str, metadata, **attributes):
+    """A SERVER span of one gRPC call, current inside the block, when the caller sent a
+    traceparent in metadata (it traces at the detailed level); else nothing is recorded.
+    attributes are named without the `tessera.` prefix. Yields the span or None."""
+    if _tracer is None:
+        yield None
+        return
+    carrier = {k: v for k, v in (metadata or ()) if k in ("traceparent", "tracestate")}
+    if "traceparent" not in carrier:
+        yield None
+        return
+    from opentelemetry.trace import SpanKind
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+    parent = TraceContextTextMapPropagator().extract(carrier)
+    with _tracer.start_as_current_span(name, context=parent, kind=SpanKind.SERVER,
+                                       attributes={f"tessera.{k}": v for k, v in attributes.items()}) as s:
+        yield s

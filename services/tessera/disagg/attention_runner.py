@@ -8,6 +8,11 @@ micro-batches that move through the layers one behind the other: micro-batch i r
 attention as soon as its layer l-1 reply is back, so the expert nodes compute micro-batch i while
 this node runs attention for micro-batch i + 1 (or for micro-batch 0 of the next layer).
 
+At the detailed trace level a step is an `afd.step` span (tracing_detail.py says whose trace
+it joins) with, per layer and micro-batch, `afd.attention`, `m2n.send` (the dispatch) and
+`m2n.recv` (waiting for and summing the replies); the step's control message carries its
+context to the expert nodes.
+
 A step that fails (an expert node rejected a message, died, or did not answer within
 timeout_s) raises; the engine fails that step's requests, and the next step first
 resynchronises every link: `reconnect(node)` (the control plane: a gRPC Connect, or the
@@ -21,8 +26,9 @@ from typing import Callable
 
 import torch
 
+from tessera import tracing_detail
 from tessera.batch import build_forward_batch
-from tessera.disagg.expert_shard import CONTROL_LAYER, encode, expert_owners, split_range
+from tessera.disagg.expert_shard import CONTROL_LAYER, control_message, encode, expert_owners, split_range
 from tessera.model_runner import ModelRunner
 from tessera.models.driver import LayerSteps, final_hidden, layer_steps
 from tessera.models.llama import CausalLM, FFNInput
@@ -61,6 +67,7 @@ class AttentionRunner(ModelRunner):
         self._resync = False
         self.attn_s = 0.0    # profiling: attention halves + dispatch (T_a), and waits for replies
         self.wait_s = 0.0
+        self._trace: tracing_detail.StepTrace | None = None   # the running step's, when traced
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         if self._resync:
@@ -69,13 +76,14 @@ class AttentionRunner(ModelRunner):
                     self.reconnect(node)
                 self.transport.reset(node)
             self._resync = False
-        try:
-            return self._execute(plan)
-        except Exception:
-            self.failed_steps += 1
-            self._resync = True
-            self.step += 1
-            raise
+        with tracing_detail.step("afd.step", plan, step=self.step) as self._trace:
+            try:
+                return self._execute(plan)
+            except Exception:
+                self.failed_steps += 1
+                self._resync = True
+                self.step += 1
+                raise
 
     @torch.inference_mode()
     def _execute(self, plan: StepPlan) -> torch.Tensor:
@@ -83,8 +91,9 @@ class AttentionRunner(ModelRunner):
         m = min(self.micro_batches, len(entries))
         groups = [entries[slice(*split_range(len(entries), m, i))] for i in range(m)]
         batches = [build_forward_batch(StepPlan(tuple(g)), self.block_size) for g in groups]
+        control = control_message(m, self._trace.words() if self._trace is not None else None)
         for node in self.expert_nodes:
-            self.transport.send(node, Tag(self.step, 0, CONTROL_LAYER, DISPATCH), torch.tensor([float(m)]))
+            self.transport.send(node, Tag(self.step, 0, CONTROL_LAYER, DISPATCH), control)
         model, layers = self.model, range(len(self.model.layers))
         steps = [layer_steps(model, model.embed_tokens(b.input_ids), b, self.kv_caches, layers) for b in batches]
         # Micro-batch i enters layer l as soon as its layer l-1 reply is back, while the
@@ -104,8 +113,13 @@ class AttentionRunner(ModelRunner):
             layer, ffn_in = steps.send(y)
         except StopIteration as done:
             return done.value
+        t1 = time.perf_counter()
         flight = self._dispatch(layer, mb, ffn_in)
-        self.attn_s += time.perf_counter() - t0
+        t2 = time.perf_counter()
+        self.attn_s += t2 - t0
+        if self._trace is not None:
+            self._trace.record("afd.attention", t0, t1, layer=layer, micro_batch=mb)
+            self._trace.record("m2n.send", t1, t2, layer=layer, micro_batch=mb, tokens=int(ffn_in.x.shape[0]))
         return flight
 
     def _dispatch(self, layer: int, mb: int, ffn_in: FFNInput) -> _InFlight:
@@ -128,6 +142,7 @@ class AttentionRunner(ModelRunner):
         """The FFN output of one micro-batch: the sum of the expert nodes' partial outputs (an
         expert node that rejected the message raises PeerError here)."""
         tag = Tag(self.step, mb, f.layer, COMBINE)
+        start = time.perf_counter()
         y = torch.zeros_like(f.x)
         for node, rows in zip(self.expert_nodes, f.selected):
             t0 = time.perf_counter()
@@ -138,6 +153,8 @@ class AttentionRunner(ModelRunner):
             else:
                 y.index_add_(0, rows, reply.to(y.dtype))
             self.transport.release(node, tag)
+        if self._trace is not None:
+            self._trace.record("m2n.recv", start, time.perf_counter(), layer=f.layer, micro_batch=mb)
         return y
 
     def stop_experts(self) -> None:

@@ -10,6 +10,10 @@ Wire format of one FFN message (attention -> expert): an FFNInput. Routed layers
 [n, H + 2k]: the normalized hidden states, then the token's k expert ids (small integers,
 exact in float32), then its k gate weights; dense layers send [n, H] as they are. The reply is
 the partial FFN output [n, H], or an error (the header's ERROR flag, transport/base.py).
+A step's control message is float32 [m], or int64 [m, the step's trace context] when the
+attention node traces it (tracing_detail.py); the expert node's spans of that step then join the
+attention node's `afd.step`: `afd.expert_step`, and per layer and micro-batch `afd.expert` (the
+compute) and `m2n.send` (the reply).
 """
 from __future__ import annotations
 
@@ -21,12 +25,31 @@ import time
 import torch
 from torch import nn
 
+from tessera import tracing_detail
 from tessera.models.llama import CausalLM, FFNInput
 from tessera.models.model_config import ModelConfig
 from tessera.transport.base import COMBINE, DISPATCH, Tag, Transport, TransportError, send_error
 
 log = logging.getLogger("tessera.disagg.expert")
 CONTROL_LAYER = -1   # per step, each attention node first sends [m] (micro-batches); m < 0 stops
+
+
+def control_message(m: int, context: tuple[int, ...] | None = None) -> torch.Tensor:
+    """A step's control message: m micro-batches follow (m < 0: stop), and the step's trace
+    context (tracing_detail.words) when it is traced."""
+    if context is None:
+        return torch.tensor([float(m)])
+    return torch.tensor([m, *context], dtype=torch.int64)
+
+
+def read_control(tag: Tag, control: torch.Tensor, src: str) -> tuple[int, tuple[int, ...] | None]:
+    """(m, the trace context or None) of a control message; anything else raises TransportError."""
+    n = control.numel()
+    traced = n == 1 + tracing_detail.WORDS and control.dtype == torch.int64
+    if tag.layer != CONTROL_LAYER or not (n == 1 or traced):
+        raise TransportError(f"{tag} from {src} is not a step's control message")
+    values = control.tolist()
+    return int(values[0]), tuple(values[1:]) if traced else None
 
 
 def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
@@ -187,19 +210,21 @@ class ExpertWorker:
             except TransportError:
                 continue   # idle, or the link was reset: wait for the next step
             try:
-                m = int(control[0]) if control.numel() == 1 else 0   # read before the slot is freed
-                self.transport.release(src, tag)
-                if tag.layer != CONTROL_LAYER or control.numel() != 1:
-                    raise TransportError(f"{tag} from {src} is not a step's control message")
+                try:
+                    m, context = read_control(tag, control, src)   # before the slot is freed
+                finally:
+                    self.transport.release(src, tag)
                 if m < 0:
                     return
-                self._serve_step(src, tag.step, m, generation)
+                with tracing_detail.remote("afd.expert_step", context, step=tag.step, micro_batches=m) as trace:
+                    self._serve_step(src, tag.step, m, generation, trace)
             except TransportError as e:
                 self.rejected += 1
                 log.warning("rejected a message from %s: %s", src, e)
                 self.transport.reset(src)
 
-    def _serve_step(self, src: str, step: int, m: int, generation: int) -> None:
+    def _serve_step(self, src: str, step: int, m: int, generation: int,
+                    trace: tracing_detail.StepTrace | None = None) -> None:
         for layer in range(len(self.shard.layers)):
             for mb in range(m):
                 tag = Tag(step, mb, layer, DISPATCH)
@@ -208,7 +233,8 @@ class ExpertWorker:
                     self.transport.release(src, tag)
                     t0 = time.perf_counter()
                     out = self.shard.compute(layer, message)
-                    self.compute_s += time.perf_counter() - t0
+                    t1 = time.perf_counter()
+                    self.compute_s += t1 - t0
                     self.batches += 1
                 except (TransportError, RuntimeError, ValueError) as e:
                     self._reply_error(src, Tag(step, mb, layer, COMBINE), str(e))
@@ -217,6 +243,9 @@ class ExpertWorker:
                     return   # the attention node reconnected: this step is gone
                 self.tokens_in += message.shape[0]
                 self.transport.send(src, Tag(step, mb, layer, COMBINE), out)
+                if trace is not None:
+                    trace.record("afd.expert", t0, t1, layer=layer, micro_batch=mb, tokens=int(message.shape[0]))
+                    trace.record("m2n.send", t1, time.perf_counter(), layer=layer, micro_batch=mb)
 
     def _reply_error(self, src: str, tag: Tag, reason: str) -> None:
         try:

@@ -8,6 +8,11 @@ runs micro-batch i, and so on down the pipeline. At most `window` micro-batches 
 (no more than each link has receive slots), so a stage never waits for a slot that only a
 later micro-batch would free. With no later stages this is the whole model in one process.
 
+At the detailed trace level a step is a `pipeline.step` span (tracing_detail.py says whose
+trace it joins) with, per micro-batch, `pipeline.compute` (this stage's layers), `m2n.send`
+(the transfer to stage 1, whose context the message carries: the later stages' spans are its
+descendants) and `m2n.recv` (waiting for the logits).
+
 A step that fails (a stage rejected a micro-batch, died, or its output did not come back
 within timeout_s) raises: the engine fails that step's requests. The next step first
 relinks the ring (`relink`: the two-round Connect of pipeline/control.py), which also tells
@@ -20,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from tessera import tracing, tracing_detail
 from tessera.batch import build_forward_batch
 from tessera.model_runner import ModelRunner
 from tessera.models.driver import final_hidden, run_layers
@@ -49,6 +55,7 @@ class PipelineRunner(ModelRunner):
         self.resync = False
         self.compute_s = 0.0   # this stage's layers (and, alone, the head)
         self.wait_s = 0.0      # waiting for the last stage's logits
+        self._trace: tracing_detail.StepTrace | None = None   # the running step's, when traced
 
     def request_resync(self) -> None:
         """Relink before the next step (any thread may ask: a stage was seen restarted)."""
@@ -59,7 +66,8 @@ class PipelineRunner(ModelRunner):
             if self.resync and self.relink is not None:
                 self.resync = False   # before relinking: a request for another one meanwhile stays
                 self.relink()
-            return self._execute(plan)
+            with tracing_detail.step("pipeline.step", plan, step=self.step) as self._trace:
+                return self._execute(plan)
         except Exception:
             self.failed_steps += 1
             self.resync = True
@@ -92,12 +100,21 @@ class PipelineRunner(ModelRunner):
         batch = build_forward_batch(plan, self.block_size)
         x = run_layers(self.model, self.model.embed_tokens(batch.input_ids), batch, self.kv_caches, self.layers)
         if not self.stages:
-            out = self.model.compute_logits(final_hidden(self.model, x, batch))
+            x = self.model.compute_logits(final_hidden(self.model, x, batch))
+        t1 = time.perf_counter()
+        send = None
+        if self._trace is not None:
+            self._trace.record("pipeline.compute", t0, t1, stage=0, micro_batch=mb, tokens=int(batch.input_ids.numel()))
+            send = self._trace.producer("m2n.send", stage=0, micro_batch=mb) if self.stages else None
+        if not self.stages:
+            self.compute_s += t1 - t0
+            return x
+        try:
+            message = encode_step(plan, x, m, tracing_detail.words(send))
             self.compute_s += time.perf_counter() - t0
-            return out
-        message = encode_step(plan, x, m)
-        self.compute_s += time.perf_counter() - t0
-        self.transport.send(self.stages[0], Tag(self.step, mb, 1, DISPATCH), message)
+            self.transport.send(self.stages[0], Tag(self.step, mb, 1, DISPATCH), message)
+        finally:
+            tracing.end(send)
         return None
 
     def _receive(self, mb: int) -> torch.Tensor:
@@ -119,5 +136,8 @@ class PipelineRunner(ModelRunner):
                 raise TransportError(f"expected {want} from {last}, got {tag}")
             out = tensor.clone()
             self.transport.release(last, tag)
-            self.wait_s += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.wait_s += t1 - t0
+            if self._trace is not None:
+                self._trace.record("m2n.recv", t0, t1, stage=0, micro_batch=mb)
             return out

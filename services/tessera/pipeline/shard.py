@@ -10,6 +10,9 @@ A micro-batch that fails here (malformed, or a peer error) is answered downstrea
 error under the tag the next stage expects, so stage 0 learns of it at once; the thread then
 drops what it holds from upstream and waits for the next step. A Connect (stage 0 relinking
 after a failure) ends whatever step the thread was in.
+A micro-batch whose message carries a trace context (stage 0 traces at the detailed level) is a
+`pipeline.stage` span under the sender's `m2n.send`, with `pipeline.compute` and its own
+`m2n.send` (whose context the next stage's message carries) under it.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import time
 
 import torch
 
+from tessera import tracing, tracing_detail
 from tessera.batch import build_forward_batch
 from tessera.config import ConfigError, EngineConfig
 from tessera.model_runner import allocate_kv
@@ -27,7 +31,7 @@ from tessera.models.llama import CausalLM
 from tessera.pipeline.control import StageInfo, StageLink, StageRefused, StageReply
 from tessera.pipeline.memory import GIB, check_budget, kv_bytes, num_kv_blocks, weight_bytes
 from tessera.pipeline.stages import StageConfig, check_quantization, stage_bits
-from tessera.pipeline.wire import decode_step, encode_step
+from tessera.pipeline.wire import decode_step, encode_step, trace_context
 from tessera.transport.base import COMBINE, DISPATCH, PeerError, Tag, Transport, TransportError, send_error
 
 log = logging.getLogger("tessera.pipeline.shard")
@@ -157,30 +161,47 @@ class PipelineShard:
         try:
             try:
                 got, plan, x = decode_step(message, self.model.config.hidden_size, self.dtype, self.num_blocks)
-                x = x.clone()   # the slot goes back to upstream before the layers run
+                x, context = x.clone(), trace_context(message)   # the slot goes back to upstream before the layers run
             finally:
                 self._release(link.upstream, tag)
             if m is not None and got != m:
                 raise TransportError(f"micro-batch {tag.micro_batch} says the step has {got}, not {m}")
-            t0 = time.perf_counter()
-            out = self._compute(plan, x, got)
-            self.compute_s += time.perf_counter() - t0
+            with tracing_detail.remote("pipeline.stage", context, stage=self.stage, step=tag.step,
+                                       micro_batch=tag.micro_batch, tokens=int(x.shape[0])) as trace:
+                self._run(link, generation, tag, plan, x, got, trace)
         except (TransportError, RuntimeError, ValueError, IndexError) as e:
             self._forward_error(link, generation, tag, str(e))
             raise TransportError(str(e)) from e
-        self.micro_batches += 1
-        self.tokens += x.shape[0]
-        if self._generation == generation:   # else relinked meanwhile: nobody waits for it
-            self.transport.send(link.downstream, self._next_tag(tag), out)
         return got
 
     @torch.inference_mode()
-    def _compute(self, plan, x: torch.Tensor, m: int) -> torch.Tensor:
+    def _run(self, link: StageLink, generation: int, tag: Tag, plan, x: torch.Tensor, m: int,
+             trace: tracing_detail.StepTrace | None) -> None:
+        """This stage's layers over one micro-batch, then its output on to the next hop."""
+        t0 = time.perf_counter()
+        out = self._compute(plan, x)
+        send = None
+        if trace is not None:
+            trace.record("pipeline.compute", t0, time.perf_counter(), stage=self.stage)
+            send = trace.producer("m2n.send", stage=self.stage)
+        try:
+            if not self.last:
+                out = encode_step(plan, out, m, tracing_detail.words(send))
+            self.compute_s += time.perf_counter() - t0
+            self.micro_batches += 1
+            self.tokens += x.shape[0]
+            if self._generation == generation:   # else relinked meanwhile: nobody waits for it
+                self.transport.send(link.downstream, self._next_tag(tag), out)
+        finally:
+            tracing.end(send)
+
+    def _compute(self, plan, x: torch.Tensor) -> torch.Tensor:
+        """The hidden states after this stage's layers (the last stage: the logits)."""
         batch = build_forward_batch(plan, self.block_size)
         x = run_layers(self.model, x, batch, self.kv_caches, self.layers)
         if self.last:
             return self.model.compute_logits(final_hidden(self.model, x, batch))
-        return encode_step(plan, x, m)
+        return x
 
     def _next_tag(self, tag: Tag) -> Tag:
         """What the next stage expects: stage s + 1's input, or stage 0's logits (COMBINE)."""

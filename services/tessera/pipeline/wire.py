@@ -3,6 +3,7 @@ next stage builds the same ForwardBatch: positions, KV slots from the block tabl
 its hidden states, as one uint8 message on the M2N transport:
 
     int64 words   MAGIC, m, entries E, tokens T, hidden H, dtype code,
+                  the trace context (tracing_detail.WORDS words: the sender's transfer span, or zeros),
                   per entry: tokens, start_pos, sample, block table length, tree length, prompt length,
                   then every entry's token ids, then block tables, then tree parents
     then          the hidden states [T, H] in the model's dtype
@@ -15,16 +16,20 @@ from __future__ import annotations
 
 import torch
 
+from tessera import tracing_detail
 from tessera.scheduler import ScheduledRequest, StepPlan
 from tessera.transport.base import DTYPE_CODES, DTYPES, TransportError
 
 MAGIC = 0x5450_4950   # "PIPT"
-HEAD, PER_ENTRY = 6, 6
+FIXED = 6             # the header's words before the trace context
+HEAD, PER_ENTRY = FIXED + tracing_detail.WORDS, 6
 
 
-def encode_step(plan: StepPlan, hidden: torch.Tensor, micro_batches: int) -> torch.Tensor:
+def encode_step(plan: StepPlan, hidden: torch.Tensor, micro_batches: int,
+                context: tuple[int, ...] = tracing_detail.NONE) -> torch.Tensor:
     entries = plan.scheduled
-    words = [MAGIC, micro_batches, len(entries), hidden.shape[0], hidden.shape[1], DTYPE_CODES[hidden.dtype]]
+    words = [MAGIC, micro_batches, len(entries), hidden.shape[0], hidden.shape[1], DTYPE_CODES[hidden.dtype],
+             *context]
     for e in entries:
         words += [len(e.token_ids), e.start_pos, int(e.sample), len(e.block_table), len(e.tree_parents), e.prompt_len]
     for field in ("token_ids", "block_table", "tree_parents"):
@@ -41,7 +46,7 @@ def decode_step(message: torch.Tensor, hidden_size: int, dtype: torch.dtype,
     is one of this stage's num_blocks."""
     if message.dtype != torch.uint8 or message.dim() != 1 or message.numel() < 8 * HEAD:
         raise TransportError("pipeline message: not a framed uint8 message")
-    words = message[:8 * HEAD].view(torch.int64).tolist()
+    words = message[:8 * FIXED].view(torch.int64).tolist()
     magic, m, n, tokens, hidden, code = words
     if magic != MAGIC or m < 1 or n < 0 or tokens < 0 or not 0 <= n * PER_ENTRY <= message.numel() // 8:
         raise TransportError(f"pipeline message: bad header {words}")
@@ -62,6 +67,11 @@ def decode_step(message: torch.Tensor, hidden_size: int, dtype: torch.dtype,
         raise TransportError(f"pipeline message: a block id outside this stage's {num_blocks} blocks")
     x = message[body_end:].view(dtype).view(tokens, hidden)
     return m, plan, x
+
+
+def trace_context(message: torch.Tensor) -> tuple[int, ...]:
+    """The trace context of a message decode_step accepted (tracing_detail.NONE: none)."""
+    return tuple(message[8 * FIXED:8 * HEAD].view(torch.int64).tolist())
 
 
 def _entries(per: list[list[int]], body: list[int], lengths: list[int]):

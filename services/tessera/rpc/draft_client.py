@@ -7,7 +7,8 @@ decoding), and forgets the request, so its next round resends the whole sequence
 draft worker could not be reached (or failed a round), rounds raise at once for a back-off that
 doubles with each consecutive failure (backoff_s up to max_backoff_s): a dead draft worker
 costs one timeout, not one per step; then it is tried again, and speculation resumes as soon
-as it answers.
+as it answers. At the detailed trace level a round's call carries the W3C context of the span
+current on the engine thread (spec/traced.py's spec.draft) as gRPC metadata.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Sequence
 
 import grpc
 
-from tessera import mtls
+from tessera import mtls, tracing
 from tessera.draft_api import DraftInfo, DraftRound
 from tessera.rpc import convert, options
 from tessera.rpc.v1 import draft_pb2, draft_pb2_grpc
@@ -58,7 +59,8 @@ class DraftClient:
         delta = held is not None and 0 < num_new < n and held == n - num_new
         r = DraftRound(request_id, next(self._rounds), tuple(token_ids[n - num_new:] if delta else token_ids), n, size)
         try:
-            reply = self._stub.Round(convert.round_to_proto(r), timeout=self.timeout_s)
+            reply = self._stub.Round(convert.round_to_proto(r), timeout=self.timeout_s,
+                                     metadata=tracing.outgoing_metadata())   # the round's span, when traced
             answered, draft = convert.draft_from_proto(reply)
         except grpc.RpcError as e:
             self.failed_rounds += 1

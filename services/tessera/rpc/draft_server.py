@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 import grpc
 
+from tessera import tracing
 from tessera.draft_api import DraftInfo, DraftRound, RoundRefused
 from tessera.rpc import convert
 from tessera.rpc.v1 import draft_pb2, draft_pb2_grpc
@@ -116,14 +117,20 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
         self.rounds = rounds
 
     async def Round(self, request, context):
+        """A round whose call carries a traceparent (the target traces it) is a spec.draft_tree
+        span, child of the target's spec.draft."""
         r = convert.round_from_proto(request)
-        try:
-            draft = await asyncio.to_thread(self.rounds.round, r)
-        except RoundRefused as e:
-            await context.abort(*convert.refusal_to_status(e))
-        except Exception as e:      # the proposer failed: this round only, never the worker
-            log.exception("request %s: round %d failed", r.request_id, r.round)
-            await context.abort(grpc.StatusCode.INTERNAL, f"drafting failed: {type(e).__name__}: {e}")
+        with tracing.rpc_span("spec.draft_tree", context.invocation_metadata(), **{
+                "spec.round": r.round, "spec.new_tokens": len(r.token_ids), "spec.tree_size": r.size}) as span:
+            try:
+                draft = await asyncio.to_thread(self.rounds.round, r)
+            except RoundRefused as e:
+                await context.abort(*convert.refusal_to_status(e))
+            except Exception as e:      # the proposer failed: this round only, never the worker
+                log.exception("request %s: round %d failed", r.request_id, r.round)
+                await context.abort(grpc.StatusCode.INTERNAL, f"drafting failed: {type(e).__name__}: {e}")
+            if span is not None:
+                span.set_attribute("tessera.spec.draft_tokens", len(draft))
         return convert.draft_to_proto(r.round, draft)
 
     async def Finish(self, request, context):

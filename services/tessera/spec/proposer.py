@@ -16,11 +16,13 @@ from typing import Protocol, Sequence
 
 import torch
 
+from tessera import tracing, tracing_detail
 from tessera.config import SpeculativeConfig
 from tessera.models.llama import CausalLM
 from tessera.spec.draft_models import draft_model
 from tessera.spec.drafter import TreeDrafter
 from tessera.spec.stats import DraftStats
+from tessera.spec.traced import RoundSpans
 from tessera.spec.tree import Draft
 
 log = logging.getLogger("tessera.spec")
@@ -78,7 +80,9 @@ class SerialProposer:
 class AsyncProposer(SerialProposer):
     """A draft worker's heart: a thread expands every live request's tree (up to `depth`
     expansions past the last round, the paper's d) while the target verifies; a round only
-    re-roots, tops the tree up to `size` if it is short, and picks the subtree."""
+    re-roots, tops the tree up to `size` if it is short, and picks the subtree. A round made in
+    a recording span (the draft worker's spec.draft_tree) has the expansions after it recorded
+    under that span as spec.expand: drafting beside the target's verification."""
 
     def __init__(self, model: CausalLM, layers: range, config: SpeculativeConfig, max_len: int) -> None:
         super().__init__(model, layers, config, max_len)
@@ -86,6 +90,7 @@ class AsyncProposer(SerialProposer):
         self._rounds_waiting = 0        # rounds blocked on the lock: the expander yields to them
         self._count_lock = threading.Lock()
         self._budget: dict[str, int] = {}
+        self._traces: dict[str, tracing_detail.StepTrace] = {}   # request id -> its last round's span
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="draft-expand", daemon=True)
         self._thread.start()
@@ -101,12 +106,18 @@ class AsyncProposer(SerialProposer):
                 self.stats.expansions += 1
                 self.stats.topups += 1
             self._budget[request_id] = self.config.depth
+            trace = tracing_detail.current()
+            if trace is not None:
+                self._traces[request_id] = trace
+            elif self._traces:
+                self._traces.pop(request_id, None)
             self._lock.notify()
             return d.draft(size)
 
     def finish(self, request_id: str) -> None:
         with self._lock:
             self._budget.pop(request_id, None)
+            self._traces.pop(request_id, None)
             super().finish(request_id)
 
     @property
@@ -136,8 +147,13 @@ class AsyncProposer(SerialProposer):
                     log.exception("request %s: draft expansion failed", rid)
                     self.drafters.pop(rid, None)
                     self._budget.pop(rid, None)
+                    self._traces.pop(rid, None)
                     continue
-                self.stats.draft_seconds += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                self.stats.draft_seconds += t1 - t0
+                trace = self._traces.get(rid)
+                if trace is not None:
+                    trace.record("spec.expand", t0, t1, **{"spec.expanded_nodes": grew})
                 self.stats.expansions += bool(grew)
                 self._budget[rid] = self._budget[rid] - 1 if grew else 0
                 if self._rounds_waiting:
@@ -147,7 +163,33 @@ class AsyncProposer(SerialProposer):
 def make_proposer(config: SpeculativeConfig, target: CausalLM | None, dtype: torch.dtype,
                   max_len: int) -> Proposer | None:
     """The proposer a target engine uses: none, a draft worker over gRPC (disaggregated), or
-    the draft model in this process (serial)."""
+    the draft model in this process (serial); its rounds are spans at the detailed trace level
+    (spec/traced.py)."""
+    return traced(_proposer(config, target, dtype, max_len))
+
+
+class TracedProposer:
+    """`inner`'s rounds, each a span tree (spec/traced.py)."""
+
+    def __init__(self, inner: Proposer) -> None:
+        self.inner, self.spans = inner, RoundSpans()
+
+    def propose(self, request_id: str, token_ids: Sequence[int], num_new: int, size: int) -> Draft | None:
+        return self.spans.propose(lambda: self.inner.propose(request_id, token_ids, num_new, size),
+                                  request_id, token_ids, num_new, size)
+
+    def finish(self, request_id: str) -> None:
+        self.spans.finish(request_id)
+        self.inner.finish(request_id)
+
+
+def traced(proposer: Proposer | None) -> Proposer | None:
+    """The proposer, wrapped when this process traces at the detailed level."""
+    return TracedProposer(proposer) if proposer is not None and tracing.detailed() else proposer
+
+
+def _proposer(config: SpeculativeConfig, target: CausalLM | None, dtype: torch.dtype,
+              max_len: int) -> Proposer | None:
     if config.draft is None:
         return None
     if config.draft == "ngram":
