@@ -137,10 +137,14 @@ def _speculative(spans: list, work, usage) -> None:
     trees = _named(spans, "spec.draft_tree")
     assert {r["service.name"] for r, _ in trees} == {"tessera-draft-worker"}
     assert sorted(s.parent_span_id for _, s in trees) == sorted(_ids(drafts))   # one per round
+    # every round but the last, whose tokens end the request, learns its accepted length
     measured = [attrs(s) for _, s in verifies if "tessera.spec.accepted_tokens" in attrs(s)]
-    assert measured and all(0 <= v["tessera.spec.accepted_tokens"] <= v["tessera.spec.draft_tokens"] and
-                            v["tessera.spec.emitted_tokens"] == v["tessera.spec.accepted_tokens"] + 1
-                            for v in measured)
+    assert len(measured) == len(rounds) - 1 > 0
+    assert all(0 <= v["tessera.spec.accepted_tokens"] <= v["tessera.spec.draft_tokens"] and
+               v["tessera.spec.emitted_tokens"] == v["tessera.spec.accepted_tokens"] + 1 for v in measured)
+    assert sum(v["tessera.spec.accepted_tokens"] for v in measured) <= \
+        usage.completion_tokens_details.accepted_prediction_tokens
+    assert 1 + sum(v["tessera.spec.emitted_tokens"] for v in measured) < usage.completion_tokens
 
 
 def _afd(spans: list, work, usage) -> None:

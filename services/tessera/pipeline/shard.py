@@ -182,8 +182,8 @@ class PipelineShard:
         out = self._compute(plan, x)
         send = None
         if trace is not None:
-            trace.record("pipeline.compute", t0, time.perf_counter(), stage=self.stage)
-            send = trace.producer("m2n.send", stage=self.stage)
+            trace.record("pipeline.compute", t0, time.perf_counter(), stage=self.stage, micro_batch=tag.micro_batch)
+            send = trace.producer("m2n.send", stage=self.stage, micro_batch=tag.micro_batch)
         try:
             if not self.last:
                 out = encode_step(plan, out, m, tracing_detail.words(send))

@@ -121,7 +121,7 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
         span, child of the target's spec.draft."""
         r = convert.round_from_proto(request)
         with tracing.rpc_span("spec.draft_tree", context.invocation_metadata(), **{
-                "spec.round": r.round, "spec.new_tokens": len(r.token_ids), "spec.tree_size": r.size}) as span:
+                "spec.new_tokens": len(r.token_ids), "spec.tree_size": r.size}) as span:
             try:
                 draft = await asyncio.to_thread(self.rounds.round, r)
             except RoundRefused as e:
