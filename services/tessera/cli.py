@@ -382,6 +382,9 @@ COMMANDS = {
                             *_module_command("tessera.bench.memory_roofline")),
     ("bench", "spec"): ("batch-1 decode speed: plain vs serial vs disaggregated tree speculation, with "
                         "the simulator's predictions", *_module_command("tessera.bench.spec_bench")),
+    ("bench", "timeline"): ("a split request's steps from its spans (tessera up FILE at the detailed trace level): "
+                            "per process, attention, M2N and expert work, drafting beside verification, or each "
+                            "stage, with the measured overlap fraction", *_module_command("tessera.bench.timeline")),
     ("profile",): ("measure T_a(b), T_e(b), T_c(b), T_o(b) here; write a JSON profile",
                    *_module_command("tessera.disagg.profile")),
     ("quantize",): ("write a weight-only quantized checkpoint (packed codes + scales) that serve loads "
