@@ -9,7 +9,8 @@ after an untimed warm-up.
         [--before 6930fc2] [--out bench/results/F.json]
 
 Prints one line per run and the medians: tracing on / off and off / before (output throughput).
-The receiver counts the spans it got, so "on" shows that every request was exported.
+The receiver counts the spans it got in each run (seven per request at the request level, once
+the batch processor has sent its last batch: the count is taken 6 s after the run).
 --before REF checks REF out as a git worktree under /tmp (bench/ab_commits.py's) and runs it there.
 """
 from __future__ import annotations

@@ -9,6 +9,7 @@ import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 import servers
+from tessera.bench.span_sink import value
 
 
 class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
@@ -42,13 +43,6 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
         servers.wait_until(lambda: names <= {s.name for _, s in self.trace(trace_id)}, timeout_s,
                            f"spans {sorted(names)} of trace {trace_id}")
         return self.trace(trace_id)
-
-
-def value(v):
-    kind = v.WhichOneof("value")
-    if kind == "array_value":
-        return [value(x) for x in v.array_value.values]
-    return getattr(v, kind) if kind else None
 
 
 def attrs(span) -> dict:

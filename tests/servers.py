@@ -11,6 +11,7 @@ import time
 from typing import Callable
 
 import httpx
+import yaml
 
 
 def wait_until(predicate, timeout_s: float, what: str) -> None:
@@ -256,3 +257,18 @@ class Logged:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()
+
+
+def tiny_topology(name: str, models: dict, tmp_path: pathlib.Path) -> pathlib.Path:
+    """deploy/topologies/NAME.yaml on free ports and a tiny random model (two layers)."""
+    spec = yaml.safe_load((pathlib.Path(__file__).resolve().parents[1] / f"deploy/topologies/{name}.yaml").read_text())
+    spec.update(model=models["mixtral" if name == "disagg-moe" else "llama"], dtype="float32")
+    for role_name, role in spec["roles"].items():
+        role["port"] = free_port_range(len(role.get("stages", ())) or role.get("replicas", 1))
+        if role_name == "draft_worker":
+            role["speculative"] = "self:1"
+        if role_name == "pipeline_shard":
+            role["stages"] = [dict(s, layers=layers) for s, layers in zip(role["stages"], ("0:1", "1:2"))]
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path

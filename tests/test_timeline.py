@@ -2,10 +2,14 @@
 a grid, and the window of steps with every span under them, whatever process recorded it."""
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
 
 import pytest
 
+import servers
 from tessera.bench import timeline as tl
 
 MS = 1_000_000     # the synthetic spans' times are in ms
@@ -90,3 +94,21 @@ def test_speculation_counts_the_draft_workers_tree_and_expansions_as_drafting():
 def test_spans_without_steps_are_refused_with_a_reason():
     with pytest.raises(SystemExit, match="detailed level"):
         tl.summarize([span("worker.generate", 0, 10)], 1)
+
+
+@pytest.mark.e2e
+def test_the_command_draws_a_pipeline_from_tessera_up(tiny_models, tmp_path):
+    """`tessera bench timeline` on the shipped pipeline topology (a tiny model, free ports):
+    every stage's spans in the window, and an overlap fraction measured from them."""
+    path = servers.tiny_topology("pipeline-pq", tiny_models, tmp_path)
+    out = tmp_path / "timeline.json"
+    run = subprocess.run([sys.executable, "-m", "tessera.cli", "bench", "timeline", str(path), "--requests", "2",
+                          "--max-tokens", "8", "--ready-timeout-s", "200", "--json", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    printed = json.loads(run.stdout.strip().splitlines()[-1])
+    assert printed["kind"] == "pipeline" and 0.0 <= printed["overlap_fraction"] <= 1.0
+    assert {(r["process"], r["span"]) for r in printed["rows"]} >= {("pipeline-shard-0", "pipeline.compute"),
+                                                                    ("pipeline-shard-1", "pipeline.compute")}
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "timeline" and doc["details"]["spans"][0]["start_ms"] == 0

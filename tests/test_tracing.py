@@ -17,6 +17,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 import servers
 from otlp_receiver import Receiver, attrs, value
 from tessera import tracing
+from tessera.config import ConfigError
 from tessera.deploy.topology import Topology
 
 pytestmark = pytest.mark.e2e
@@ -179,6 +180,12 @@ def test_tessera_up_hands_the_endpoint_to_every_process(tmp_path):
             assert p.argv[i + 1] == "http://collector:4317"
             assert p.argv[p.argv.index("--trace-replica") + 1] == p.name.rsplit("-", 1)[1]
     assert all("--otlp-traces-endpoint" not in p.argv for p in Topology.load(path).processes())
+    detailed = Topology.load(path).with_overrides(otlp_traces_endpoint="http://c:4317", trace_level="detailed")
+    assert all(p.argv[p.argv.index("--trace-level") + 1] == "detailed"
+               for p in detailed.processes() if p.role != "redis")
+    path.write_text(path.read_text() + "trace_level: everything\n")
+    with pytest.raises(ConfigError, match="trace_level"):
+        Topology.load(path)
 
 
 def test_http_protobuf_exporter_service_name_override_and_replica(tmp_path):
@@ -218,6 +225,7 @@ def test_http_protobuf_exporter_service_name_override_and_replica(tmp_path):
 FAILOVER_SCRIPT = '''
 import asyncio
 from tessera import tracing
+from tessera.config import ConfigError
 from tessera.config import SamplingParams
 from tessera.worker_api import GenerateChunk, GenerateInput, Unavailable, WorkerInfo
 from tessera.worker_pool import WorkerPool

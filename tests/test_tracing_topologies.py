@@ -56,21 +56,6 @@ def receiver():
     r.server.stop(0)
 
 
-def _topology(name: str, models: dict, tmp_path: pathlib.Path) -> pathlib.Path:
-    """deploy/topologies/NAME.yaml on free ports and a tiny random model (two layers)."""
-    spec = yaml.safe_load((ROOT / f"deploy/topologies/{name}.yaml").read_text())
-    spec.update(model=models["mixtral" if name == "disagg-moe" else "llama"], dtype="float32")
-    for role_name, role in spec["roles"].items():
-        role["port"] = servers.free_port_range(len(role.get("stages", ())) or role.get("replicas", 1))
-        if role_name == "draft_worker":
-            role["speculative"] = "self:1"
-        if role_name == "pipeline_shard":
-            role["stages"] = [dict(s, layers=layers) for s, layers in zip(role["stages"], ("0:1", "1:2"))]
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return path
-
-
 def _chat(url: str, traceparent: str | None):
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
     model = client.models.list().data[0].id
@@ -95,7 +80,7 @@ def _tree(receiver: Receiver, trace_id: str, client_span: str, names: set[str]) 
 
 @pytest.mark.parametrize("name", sorted(TOPOLOGIES))
 def test_one_connected_tree_per_request(name, receiver, tiny_models, tmp_path):
-    path = _topology(name, tiny_models, tmp_path)
+    path = servers.tiny_topology(name, tiny_models, tmp_path)
     url = f"http://127.0.0.1:{yaml.safe_load(path.read_text())['roles']['gateway']['port']}"
     env = dict(os.environ, OTEL_BSP_SCHEDULE_DELAY="200")
     args = ["up", str(path), "--otlp-traces-endpoint", f"http://127.0.0.1:{receiver.port}", "--trace-level",
@@ -212,8 +197,7 @@ def test_the_request_level_records_no_step_or_round_spans():
     """The default level: a worker span, and nothing per step or round (no span per token)."""
     receiver = Receiver()
     try:
-        env = {k: v for k, v in os.environ.items() if k != "TESSERA_TRACE_LEVEL"}
-        subprocess.run([sys.executable, "-c", LEVEL_SCRIPT % receiver.port], check=True, timeout=60, env=env)
+        subprocess.run([sys.executable, "-c", LEVEL_SCRIPT % receiver.port], check=True, timeout=60)
         assert [s.name for _, s in receiver.spans] == ["worker.generate"]
     finally:
         receiver.server.stop(0)

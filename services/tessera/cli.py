@@ -120,11 +120,9 @@ def cmd_up(a: argparse.Namespace) -> int:
     from tessera.deploy.topology import Topology
     from tessera.deploy.up import up
     tracing = from_args(TracingConfig, a, exclude=ONE_PROCESS_TRACING)
-    if tracing.trace_level:   # every process it starts inherits the level
-        from tessera.tracing import LEVEL_ENV
-        os.environ[LEVEL_ENV] = tracing.trace_level
     return up(Topology.load(a.file).with_overrides(port=a.port, dtype=a.dtype,
-                                                   otlp_traces_endpoint=tracing.otlp_traces_endpoint),
+                                                   otlp_traces_endpoint=tracing.otlp_traces_endpoint,
+                                                   trace_level=tracing.trace_level),
               from_args(SupervisorConfig, a), certs=a.certs)
 
 

@@ -28,7 +28,6 @@ from tessera.config import ConfigError
 SERVICE_NAMES = {c: f"tessera-{c}" for c in ("gateway", "worker", "target-worker", "attention-node", "expert-node",
                                               "draft-worker", "pipeline-shard")}
 LEVELS = ("request", "detailed")
-LEVEL_ENV = "TESSERA_TRACE_LEVEL"   # the level when no flag names one (`tessera up` hands it on so)
 RESPONSE_HEADER = "x-trace-id"
 EXPORT_TIMEOUT_S = 2.0     # per export, unless OTEL_EXPORTER_OTLP(_TRACES)_TIMEOUT says otherwise
 WARN_EVERY_S = 60.0        # an exporter failing without pause says so once a minute, not once a batch
@@ -48,8 +47,8 @@ class TracingConfig:
         "help": "this process's replica index, a resource attribute of its spans (tessera up sets it)"})
     trace_level: str | None = field(default=None, metadata={
         "choices": LEVELS, "help": "request: spans per request and its phases; detailed: also per speculative "
-                                   "round, AFD decode step and pipeline micro-batch (default: "
-                                   f"${LEVEL_ENV}, else request)"})
+                                   "round, AFD decode step and pipeline micro-batch (default: request; serve and up "
+                                   "hand it to every process)"})
 
 
 def enabled() -> bool:
@@ -71,7 +70,7 @@ def configure(role: str, endpoint: str | None, service_name: str | None = None, 
     global _tracer, _detailed
     endpoint = endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or \
         os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-    level = level or os.environ.get(LEVEL_ENV) or "request"
+    level = level or "request"
     if level not in LEVELS:
         raise ConfigError(f"trace level {level!r}: choose from {', '.join(LEVELS)}", "trace_level")
     if not endpoint:

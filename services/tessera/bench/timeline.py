@@ -21,14 +21,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
 
 from tessera.bench.span_sink import SpanSink
+from tessera.disagg.measure import free_port
 
 # split kind: (the step span, the two kinds of work whose overlap is measured)
 KINDS = {"afd": ("afd.step", "afd.attention", "afd.expert"),
@@ -41,15 +42,10 @@ def add_args(p) -> None:
     p.add_argument("--requests", type=int, default=4, help="chat requests sent at once")
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--steps", type=int, default=2, help="consecutive steps (or rounds) of one request kept")
+    p.add_argument("--ready-timeout-s", type=float, default=600, help="how long the deployment may take to start")
     p.add_argument("--json", action="store_true")
     from tessera.bench.results import add_out_arg
     add_out_arg(p)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str, timeout: float = 5.0) -> bytes:
@@ -57,7 +53,14 @@ def _get(url: str, timeout: float = 5.0) -> bytes:
         return r.read()
 
 
-def _chat(url: str, model: str, i: int, max_tokens: int) -> None:
+def _chat(url: str, model: str, i: int, max_tokens: int, errors: list) -> None:
+    try:
+        _post_chat(url, model, i, max_tokens)
+    except Exception as e:    # the run is refused below: a timeline of failed requests says nothing
+        errors.append(f"request {i}: {type(e).__name__}: {e}")
+
+
+def _post_chat(url: str, model: str, i: int, max_tokens: int) -> None:
     body = json.dumps({"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
                        "messages": [{"role": "user", "content": f"Count from {i} onwards, in words."}]}).encode()
     req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
@@ -65,41 +68,57 @@ def _chat(url: str, model: str, i: int, max_tokens: int) -> None:
         r.read()
 
 
-def record(topology: str, requests: int, max_tokens: int) -> list[dict]:
+def record(topology: str, requests: int, max_tokens: int, ready_timeout_s: float = 600) -> list[dict]:
     """Every span the deployment exported while serving `requests` requests at once."""
     sink = SpanSink()
-    port = _free_port()
-    env = dict(os.environ, TESSERA_TRACE_LEVEL="detailed", OTEL_BSP_SCHEDULE_DELAY="200",
-               OTEL_TRACES_SAMPLER="always_on")
+    port = free_port()
+    # a queue that holds a run's spans: AFD makes a few hundred per step, and a full queue drops
+    # spans silently, which would shorten the busy times measured
+    env = dict(os.environ, OTEL_BSP_SCHEDULE_DELAY="200",
+               OTEL_BSP_MAX_QUEUE_SIZE="262144", OTEL_TRACES_SAMPLER="always_on")
+    log = tempfile.NamedTemporaryFile(prefix="timeline-up-", suffix=".log", delete=False)
     up = subprocess.Popen([sys.executable, "-m", "tessera.cli", "up", topology, "--port", str(port),
-                           "--otlp-traces-endpoint", sink.endpoint], env=env, start_new_session=True,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                           "--otlp-traces-endpoint", sink.endpoint, "--trace-level", "detailed"], env=env, start_new_session=True,
+                          stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + ready_timeout_s
         while True:
             try:
                 _get(url + "/health/ready")
                 break
             except OSError:
                 if up.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"`tessera up {topology}` did not become ready")
+                    raise SystemExit(f"`tessera up {topology}` did not become ready; its log: {log.name}")
                 time.sleep(1)
         model = json.loads(_get(url + "/v1/models"))["data"][0]["id"]
-        threads = [threading.Thread(target=_chat, args=(url, model, i, max_tokens)) for i in range(requests)]
+        errors: list[str] = []
+        threads = [threading.Thread(target=_chat, args=(url, model, i, max_tokens, errors)) for i in range(requests)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        if errors:
+            raise SystemExit("requests failed: " + "; ".join(errors) + f" (log: {log.name})")
         time.sleep(1.0)     # the last batches of spans (200 ms schedule)
     finally:
-        os.killpg(up.pid, signal.SIGINT)    # a drain: every process flushes its spans as it exits
-        try:
-            up.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(up.pid, signal.SIGKILL)
+        _stop(up)
         sink.stop()
     return sink.spans
+
+
+def _stop(up: subprocess.Popen) -> None:
+    """SIGINT: a drain, in which every process flushes its spans as it exits."""
+    for sig, wait_s in ((signal.SIGINT, 120), (signal.SIGKILL, 30)):
+        try:
+            os.killpg(up.pid, sig)
+        except ProcessLookupError:    # already gone
+            return
+        try:
+            up.wait(wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def kind_of(spans: list[dict]) -> str:
@@ -211,7 +230,7 @@ def summarize(spans: list[dict], steps: int) -> tuple[list[dict], dict]:
 
 def main(a) -> int:
     from tessera.bench import results
-    spans = record(a.topology, a.requests, a.max_tokens)
+    spans = record(a.topology, a.requests, a.max_tokens, a.ready_timeout_s)
     rows, details = summarize(spans, a.steps)
     if a.json:
         print(json.dumps({"rows": rows, **{k: v for k, v in details.items() if k != "spans"}}))

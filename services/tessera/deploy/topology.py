@@ -51,6 +51,7 @@ import yaml
 
 from tessera.config import ConfigError
 from tessera.deploy.observability import TEMPO_OTLP_ENDPOINT
+from tessera.tracing import LEVELS
 
 ROLE_ORDER = ("redis", "worker", "draft_worker", "target_worker", "expert_node", "attention_node", "pipeline_shard",
               "gateway")
@@ -139,6 +140,7 @@ class Topology:
     roles: dict
     otlp_traces_endpoint: str | None = None   # every process sends its traces here (--otlp-traces-endpoint)
     observability: bool = False   # renders add Tempo, Prometheus and Grafana (observability.py)
+    trace_level: str | None = None   # every process's --trace-level, with tracing on
 
     @classmethod
     def load(cls, path: str | pathlib.Path) -> "Topology":
@@ -187,9 +189,11 @@ class Topology:
         _check_pairs(path, roles)
         if not isinstance(data.get("observability", False), bool):
             raise ConfigError(f"{path}: observability is true or false")
+        if data.get("trace_level", "request") not in LEVELS:
+            raise ConfigError(f"{path}: trace_level is one of {', '.join(LEVELS)}")
         return cls(data.get("name", pathlib.Path(path).stem), str(data.get("model", "smollm2")),
                    str(data.get("dtype", "auto")), str(data.get("transport", "auto")), roles,
-                   data.get("otlp_traces_endpoint"), data.get("observability", False))
+                   data.get("otlp_traces_endpoint"), data.get("observability", False), data.get("trace_level"))
 
     def _spec_flags(self, i: int, place: Placement, target: bool) -> list[str]:
         """The drafter and tree flags, the same for a draft worker and its target; the target
@@ -203,12 +207,13 @@ class Topology:
         return argv
 
     def with_overrides(self, port: int | None = None, dtype: str | None = None,
-                       otlp_traces_endpoint: str | None = None) -> "Topology":
+                       otlp_traces_endpoint: str | None = None, trace_level: str | None = None) -> "Topology":
         roles = dict(self.roles)
         if port is not None:
             roles["gateway"] = replace(roles["gateway"], port=port)
         return replace(self, roles=roles, dtype=dtype or self.dtype,
-                       otlp_traces_endpoint=otlp_traces_endpoint or self.otlp_traces_endpoint)
+                       otlp_traces_endpoint=otlp_traces_endpoint or self.otlp_traces_endpoint,
+                       trace_level=trace_level or self.trace_level)
 
     @property
     def registry(self) -> bool:
@@ -239,13 +244,14 @@ class Topology:
         return TEMPO_OTLP_ENDPOINT
 
     def _tracing_argv(self, role: Role, i: int, place: Placement) -> list[str]:
-        """Where every tessera process sends its traces, and its replica index (not in a
-        Kubernetes Deployment, whose pods share one command line)."""
+        """Where every tessera process sends its traces, at which level, and its replica index
+        (not in a Kubernetes Deployment, whose pods share one command line)."""
         endpoint = self.traces_endpoint(place)
         if not endpoint or role.name == "redis":
             return []
         replica = [] if isinstance(place, PodPlacement) else ["--trace-replica", str(i)]
-        return ["--otlp-traces-endpoint", endpoint, *replica]
+        level = ["--trace-level", self.trace_level] if self.trace_level else []
+        return ["--otlp-traces-endpoint", endpoint, *level, *replica]
 
     def _argv(self, role: Role, i: int, place: Placement) -> list[str]:
         port = str(role.port + i)

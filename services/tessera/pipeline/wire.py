@@ -20,7 +20,7 @@ from tessera import tracing_detail
 from tessera.scheduler import ScheduledRequest, StepPlan
 from tessera.transport.base import DTYPE_CODES, DTYPES, TransportError
 
-MAGIC = 0x5450_4950   # "PIPT"
+MAGIC = 0x5450_4951   # "PIPT" + 1: the header with the trace context (an older stage's is refused, not misread)
 FIXED = 6             # the header's words before the trace context
 HEAD, PER_ENTRY = FIXED + tracing_detail.WORDS, 6
 

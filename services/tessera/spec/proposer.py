@@ -153,7 +153,10 @@ class AsyncProposer(SerialProposer):
                 self.stats.draft_seconds += t1 - t0
                 trace = self._traces.get(rid)
                 if trace is not None:
-                    trace.record("spec.expand", t0, t1, **{"spec.expanded_nodes": grew})
+                    try:
+                        trace.record("spec.expand", t0, t1, **{"spec.expanded_nodes": grew})
+                    except Exception:    # a span that cannot be made must not end the drafting
+                        log.exception("request %s: its expansion's span failed", rid)
                 self.stats.expansions += bool(grew)
                 self._budget[rid] = self._budget[rid] - 1 if grew else 0
                 if self._rounds_waiting:
