@@ -1,5 +1,6 @@
 """Traces across the split topologies: `tessera up FILE --otlp-traces-endpoint URL --trace-level
-detailed` for every file in deploy/topologies (vllm.yaml aside: its workers run from .venv-vllm),
+detailed` for every file in deploy/topologies (vllm.yaml aside: its workers run from .venv-vllm, and
+tests/test_vllm_engine.py traces its deployment),
 each on a tiny random model, and one chat request with a traceparent through the official openai
 client. Each gives one connected tree rooted at the client's span, with spans from every process
 on the request's path, the response's usage on the request span, and the speculative round, AFD

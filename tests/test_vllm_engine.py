@@ -1,7 +1,7 @@
 """vLLM as a backend engine, through what a user runs: `tessera up` of a topology whose worker
 role says `engine: vllm` (Redis, two vLLM workers, the gateway), driven by the official openai
-client (chat, streaming, stop strings, logprobs, seeds, errors), failover when a vLLM worker is
-SIGKILLed mid-stream, and the greedy tokens of `tessera worker --engine vllm` against the native
+client (chat, streaming, stop strings, logprobs, seeds, errors), one trace per request across the
+gateway and a vLLM worker, failover when a vLLM worker is SIGKILLed mid-stream, and the greedy tokens of `tessera worker --engine vllm` against the native
 `tessera worker` on the same weights (fp32 and bf16). `make test-vllm` runs this file; without
 .venv-vllm (`make setup-vllm`) it is skipped, visibly."""
 from __future__ import annotations
@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import os
 import pathlib
+import secrets
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import httpx
 import openai
 import pytest
 
+from otlp_receiver import Receiver, attrs
 from servers import Logged, free_port, free_port_range, tessera_worker, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -211,8 +213,9 @@ def test_greedy_tokens_agree_with_the_native_engine(greedy_runs, capsys):
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    """`tessera up` of redis + two vLLM workers (one thread each) + the gateway, on free ports;
-    yields (gateway URL, the Logged supervisor, the workers' ports)."""
+    """`tessera up` of redis + two vLLM workers (one thread each) + the gateway, on free ports,
+    exporting traces to an OTLP receiver (the supervisor's `receiver`); yields (gateway URL, the
+    Logged supervisor, the workers' ports)."""
     port, workers = free_port(), free_port_range(2)
     path = tmp_path_factory.mktemp("vllm") / "vllm.yaml"
     # float32, never `auto`: FRANCE's first token is a near-tie ("The" vs "L", 0.08 apart in
@@ -223,14 +226,18 @@ def deployment(tmp_path_factory):
                     f"  gateway: {{port: {port}}}\n")
     certs = path.with_suffix(".certs")    # the deployment's certificates, so the tests may ask the workers directly
     subprocess.run([sys.executable, "-m", "tessera.cli", "certs", str(path), "--out", str(certs)], check=True)
-    up = Logged("up", str(path), "--certs", str(certs), "--shutdown-grace-s", "5")
-    up.certs = certs
+    receiver = Receiver()
+    up = Logged("up", str(path), "--certs", str(certs), "--shutdown-grace-s", "5",
+                "--otlp-traces-endpoint", f"http://127.0.0.1:{receiver.port}",
+                env=dict(os.environ, OTEL_BSP_SCHEDULE_DELAY="200"))
+    up.certs, up.receiver = certs, receiver
     try:
         up.wait_for("tessera worker ready", timeout_s=300, count=2)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
         wait_until(lambda: _answers(client), 120, "the gateway never answered through the vLLM workers")
         yield f"http://127.0.0.1:{port}", up, [workers, workers + 1]
     finally:
+        receiver.server.stop(0)
         assert up.close() == 0
 
 
@@ -302,6 +309,28 @@ def test_prefix_cache_hits_are_reported(client):
     cached = [client.chat.completions.create(model=MODEL, messages=[system, *FRANCE], max_tokens=2)
               .usage.prompt_tokens_details.cached_tokens for _ in range(3)]
     assert max(cached[1:]) > 0, cached
+
+
+def test_one_trace_per_request_through_a_vllm_worker(client, deployment):
+    """A chat request with a traceparent: one tree rooted at the client's span, the gateway's and
+    the vLLM worker's spans, vLLM's own queue / prefill / decode stamps as the worker span's
+    phases, and the response's usage on the request span and the worker span."""
+    receiver = deployment[1].receiver
+    trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+    r = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=8,
+                                       extra_headers={"traceparent": f"00-{trace_id}-{client_span}-01"})
+    root_name = "POST /v1/chat/completions"
+    spans = receiver.wait_for(trace_id, {root_name, "route", "worker.generate", "queue", "prefill", "decode"})
+    ids = {s.span_id for _, s in spans}
+    roots = [s for _, s in spans if s.parent_span_id not in ids]
+    assert [s.name for s in roots] == [root_name] and roots[0].parent_span_id.hex() == client_span
+    assert {res["service.name"] for res, _ in spans} == {"tessera-gateway", "tessera-worker"}
+    (work,) = [s for _, s in spans if s.name == "worker.generate"]
+    assert {s.name for _, s in spans if s.parent_span_id == work.span_id} == {"queue", "prefill", "decode"}
+    for s in (roots[0], work):
+        a = attrs(s)
+        assert (a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"]) == \
+            (r.usage.prompt_tokens, r.usage.completion_tokens), s.name
 
 
 def test_vllms_own_request_timings_reach_the_gateways_metrics(client, deployment):

@@ -66,8 +66,10 @@ def cmd_worker(a: argparse.Namespace) -> int:
     generation = from_args(GenerationConfigSource, a)
     if choice.engine == "vllm":
         _without_chat_flags(a, "--engine vllm")
-    main = (lambda *rest: vllm_worker.main(choice, *rest, generation=generation)) if choice.engine == "vllm" else \
-        (lambda *rest: worker.main(*rest, generation=generation, chat=from_args(ChatConfig, a)))
+        tracing = from_args(TracingConfig, a)   # the re-executed process configures its own exporter
+        main = lambda *rest: vllm_worker.main(choice, *rest, generation=generation, tracing=tracing)  # noqa: E731
+    else:
+        main = lambda *rest: worker.main(*rest, generation=generation, chat=from_args(ChatConfig, a))  # noqa: E731
     return main(from_args(EngineConfig, a), a.host, a.port, _registration(a), a.metrics_port, a.shutdown_grace_s)
 
 

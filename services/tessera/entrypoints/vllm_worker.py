@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from tessera.config import ConfigError, EngineConfig
 from tessera.entrypoints.flags import to_argv
 from tessera.generation_defaults import GenerationConfigSource
+from tessera.tracing import TracingConfig
 
 VENV = pathlib.Path(__file__).resolve().parents[3] / ".venv-vllm"   # beside .venv in the checkout
 MAIN = "tessera.entrypoints.vllm_main"
@@ -34,11 +35,13 @@ class EngineChoice:
 
 def main(choice: EngineChoice, config: EngineConfig, host: str, port: int, registration=None,
          metrics_port: int | None = None, shutdown_grace_s: float = 30.0,
-         generation: GenerationConfigSource = GenerationConfigSource()) -> int:
+         generation: GenerationConfigSource = GenerationConfigSource(),
+         tracing: TracingConfig = TracingConfig()) -> int:
     """generation: the defaults the worker reports (the gateway fills unset fields from them;
-    vLLM's engine itself applies none, only its HTTP server does)."""
+    vLLM's engine itself applies none, only its HTTP server does). tracing: handed on to the
+    re-executed process, which configures its own exporter."""
     if getattr(sys.modules["__main__"].__spec__, "name", None) != MAIN:
-        _reexec(choice, config, host, port, registration, metrics_port, shutdown_grace_s, generation)
+        _reexec(choice, config, host, port, registration, metrics_port, shutdown_grace_s, generation, tracing)
     vllm_environment(config.num_threads)
     from tessera.entrypoints.worker import serve
     from tessera.vllm_backend.engine import start
@@ -52,13 +55,15 @@ def main(choice: EngineChoice, config: EngineConfig, host: str, port: int, regis
 
 
 def _reexec(choice: EngineChoice, config: EngineConfig, host: str, port: int, registration,
-            metrics_port: int | None, grace_s: float, generation: GenerationConfigSource) -> None:
+            metrics_port: int | None, grace_s: float, generation: GenerationConfigSource,
+            tracing: TracingConfig) -> None:
     """Replace this process with `PYTHON -m tessera.entrypoints.vllm_main worker ...` (the same
     flags), PYTHON being this one when it has vLLM, else .venv-vllm's."""
     python = pathlib.Path(sys.executable) if importlib.util.find_spec("vllm") else VENV / "bin" / "python"
     if not python.exists():
         raise ConfigError(f"--engine vllm needs vLLM's environment {VENV}: run `make setup-vllm`")
-    argv = ["worker", *to_argv(config), *to_argv(choice), *to_argv(generation), "--host", host, "--port", str(port),
+    argv = ["worker", *to_argv(config), *to_argv(choice), *to_argv(generation), *to_argv(tracing),
+            "--host", host, "--port", str(port),
             "--shutdown-grace-s", f"{grace_s:g}"]
     if registration:
         url, prefix, address = registration
