@@ -8,7 +8,8 @@ after an untimed warm-up.
     .venv/bin/python bench/tracing_cost.py [--rounds 3] [--concurrency 16] [--num-prompts 64]
         [--before 6930fc2] [--out bench/results/F.json]
 
-Prints one line per run and the medians: tracing on / off and off / before (output throughput).
+Prints one line per run and the medians: tracing on / off and off / before (output throughput),
+as a ratio of the medians and as the median of each round's ratio (paired).
 The receiver counts the spans it got in each run (seven per request at the request level, once
 the batch processor has sent its last batch: the count is taken 6 s after the run).
 --before REF checks REF out as a git worktree under /tmp (bench/ab_commits.py's) and runs it there.
@@ -48,6 +49,13 @@ def serve(variant: str, tree: pathlib.Path, receiver: SpanSink) -> tuple[subproc
     return proc, url
 
 
+def paired(rows: list[dict], a: str, b: str) -> float:
+    """The median over rounds of a's throughput over b's in the same round: the machine's drift
+    between rounds (often wider than the effect) cancels within a round."""
+    tok = {(r["round"], r["variant"]): r["output_tok_s"] for r in rows}
+    return round(statistics.median(tok[n, a] / tok[n, b] for n, _ in tok if _ == a), 3)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
@@ -85,8 +93,10 @@ def main() -> int:
     med = {v: statistics.median(r["output_tok_s"] for r in rows if r["variant"] == v) for v in trees}
     summary = {f"{v}_output_tok_s": round(t, 1) for v, t in med.items()}
     summary["on_vs_off"] = round(med["on"] / med["off"], 3)
+    summary["on_vs_off_paired"] = paired(rows, "on", "off")
     if "before" in med:
         summary["off_vs_before"] = round(med["off"] / med["before"], 3)
+        summary["off_vs_before_paired"] = paired(rows, "off", "before")
     print(json.dumps(summary))
     save(a.out, "tracing", f"Tracing cost: tessera serve bf16, {a.concurrency} streams, {a.input_len}/"
          f"{a.output_len}, {a.rounds} alternating rounds", rows, details={"medians": summary,
