@@ -8,6 +8,7 @@ A command's flags are built only when it is the one run (the gateway's import Fa
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -66,11 +67,11 @@ def cmd_worker(a: argparse.Namespace) -> int:
     generation = from_args(GenerationConfigSource, a)
     if choice.engine == "vllm":
         _without_chat_flags(a, "--engine vllm")
-        tracing = from_args(TracingConfig, a)   # the re-executed process configures its own exporter
-        main = lambda *rest: vllm_worker.main(choice, *rest, generation=generation, tracing=tracing)  # noqa: E731
+        # the tracing flags too: the process vLLM's worker re-executes as configures its own exporter
+        run = functools.partial(vllm_worker.main, choice, generation=generation, tracing=from_args(TracingConfig, a))
     else:
-        main = lambda *rest: worker.main(*rest, generation=generation, chat=from_args(ChatConfig, a))  # noqa: E731
-    return main(from_args(EngineConfig, a), a.host, a.port, _registration(a), a.metrics_port, a.shutdown_grace_s)
+        run = functools.partial(worker.main, generation=generation, chat=from_args(ChatConfig, a))
+    return run(from_args(EngineConfig, a), a.host, a.port, _registration(a), a.metrics_port, a.shutdown_grace_s)
 
 
 def cmd_target_worker(a: argparse.Namespace) -> int:
