@@ -1,7 +1,7 @@
 """Chaos run: `tessera up FILE` (a topology with two or more worker replicas) under steady
-streaming load while a random worker is SIGKILLed every 20-40 s and hostile requests are mixed
-into the traffic. Talks only to the public API (the official openai client; raw HTTP for the
-bodies no client would send).
+streaming load while a random worker is SIGKILLed 20-40 s after every replica is last ready,
+and hostile requests are mixed into the traffic. Talks only to the public API (the official
+openai client; raw HTTP for the bodies no client would send).
 
 Every normal request is greedy and float32 (the topology's dtype should be float32), so its
 text must equal the text the same prompt got before any fault. Each request ends as one of:
@@ -52,13 +52,16 @@ HOSTILE = [
 
 
 class Up:
-    """`tessera up FILE` with its output followed: process names -> latest pid."""
+    """`tessera up FILE` with its output followed: process names -> latest pid, and which workers
+    have said they are ready since they were last started (replica i listens on port + i)."""
 
-    def __init__(self, topology: str) -> None:
+    def __init__(self, topology: str, worker_port: int) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "tessera.cli", "up", topology, "--shutdown-grace-s", "5"],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
         self.pids: dict[str, int] = {}
+        self.ready: set[str] = set()
+        self.worker_port = worker_port
         self.restarts = 0
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -67,7 +70,11 @@ class Up:
             m = re.search(r": (\S+) pid (\d+)( \(restart)?", line)
             if m:
                 self.pids[m[1]] = int(m[2])
+                self.ready.discard(m[1])
                 self.restarts += bool(m[3])
+            m = re.search(r"tessera worker ready on \S+:(\d+)", line)
+            if m:
+                self.ready.add(f"worker-{int(m[1]) - self.worker_port}")
 
     def workers(self) -> dict[str, int]:
         return {name: pid for name, pid in self.pids.items() if name.startswith("worker-")}
@@ -160,7 +167,8 @@ async def _reference(client: openai.AsyncOpenAI, model: str, max_tokens: int) ->
 async def run(a: argparse.Namespace) -> dict:
     spec = yaml.safe_load(open(a.topology))
     base = f"http://127.0.0.1:{spec['roles']['gateway']['port']}"
-    up = Up(a.topology)
+    replicas = int(spec["roles"]["worker"].get("replicas", 1))
+    up = Up(a.topology, int(spec["roles"]["worker"]["port"]))
     rng = random.Random(a.seed)
     normal, bad, kills, rss = Tally(), Tally(), [], []
     try:
@@ -188,6 +196,9 @@ async def run(a: argparse.Namespace) -> dict:
 
             async def killer() -> None:
                 while True:
+                    # the interval starts once every replica is back: one is always up when the next dies
+                    while len(up.ready) < replicas and time.monotonic() < stop_at:
+                        await asyncio.sleep(0.2)
                     await asyncio.sleep(rng.uniform(a.kill_min_s, a.kill_max_s))
                     if time.monotonic() >= stop_at:
                         return
