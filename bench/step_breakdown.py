@@ -3,7 +3,8 @@ timers (on the CPU nothing runs asynchronously, so a timer around a call is its 
 timers need the eager step (--enforce-eager); the replayed step (step_graph.py) is timed
 after it, on another engine: as a whole, its layers' C calls by kernel (replayed.py), and the
 LM head, sampling and batch tensors, which run from Python after the replay.
-    .venv/bin/python bench/step_breakdown.py 64 [float32] [--out FILE]   # bf16 unless given; 2 threads, context ~190
+    .venv/bin/python bench/step_breakdown.py 64 [float32] [--model DIR] [--out FILE]
+bf16 unless given; 2 threads, context ~190; SmolLM2 unless --model (e.g. `tessera bench make-llama1b`'s).
 """
 import sys, time, collections, torch
 from tessera.config import EngineConfig, SamplingParams
@@ -24,13 +25,18 @@ import tessera_kernels.paged_attention_cpu as PA
 PA.paged_decode_attention = timed("  of which the decode kernel itself", PA.paged_decode_attention)
 MR.build_forward_batch = timed("batch tensors (build_forward_batch)", MR.build_forward_batch)
 OUT = pop_out()
+MODEL = {}
+if "--model" in sys.argv:
+    i = sys.argv.index("--model")
+    MODEL["model"] = sys.argv.pop(i + 1)
+    sys.argv.pop(i)
 B = int(sys.argv[1])
 DTYPE = sys.argv[2] if len(sys.argv) > 2 else "bfloat16"
 n = 20                                # steps timed
 
 
 def step_s(enforce_eager: bool) -> tuple[float, Engine]:
-    e = Engine(EngineConfig(dtype=DTYPE, num_threads=2, enforce_eager=enforce_eager))
+    e = Engine(EngineConfig(dtype=DTYPE, num_threads=2, enforce_eager=enforce_eager, **MODEL))
     g = torch.Generator().manual_seed(B)
     for p in torch.randint(100, 40000, (B, 128), generator=g).tolist():
         e.add_request(p, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
@@ -49,7 +55,7 @@ rest = total - sum(v for k, v in acc.items() if not k.startswith(" ")) / n
 print(f"  rest (norms, RoPE, residuals, SwiGLU activation, scheduler, detokenizer, Python): {rest*1e3:.1f} ms ({rest/total:.0%})")
 rows = [{"mode": "eager", "part": k.strip(), "ms": round(s * 1e3, 2), "share": round(s / total, 3)}
         for k, s in [("step", total), *((k, v / n) for k, v in acc.most_common()), ("rest", rest)]]
-TITLE = f"where a decode step's time goes at batch {B}, {DTYPE}"
+TITLE = f"where a decode step's time goes at batch {B}, {DTYPE}" + (f", model {MODEL['model']}" if MODEL else "")
 replayed, e = step_s(False)
 print(f"replayed (step_graph.py): decode step {replayed*1e3:.1f} ms")
 if e.runner.graphs.rows(B) not in e.runner.graphs.graphs:

@@ -39,22 +39,23 @@ def test_gemv_bf16_gives_the_same_bits_with_weight_rows_side_by_side_or_one_at_a
                torch.randn(83, generator=g).bfloat16())
     outs = []
     for way in (True, False):
-        monkeypatch.setattr(gemv_cpu, "side_by_side", lambda way=way: way)
+        monkeypatch.setattr(gemv_cpu, "side_by_side", lambda K, way=way: way)
         outs.append(gemv_cpu.gemv_bf16(x, w, b))
     assert torch.equal(outs[0], outs[1])
 
 
-def test_gemv_rows_side_by_side_on_intel_one_at_a_time_on_amd_unless_told(monkeypatch):
+def test_gemv_rows_side_by_side_on_intel_and_for_long_rows_on_amd_unless_told(monkeypatch):
     from tessera_kernels import cbuild
-    for vendor, env, expected in (("GenuineIntel", None, True), ("AuthenticAMD", None, False),
-                                  ("AuthenticAMD", "1", True), ("GenuineIntel", "0", False)):
+    for vendor, K, env, expected in (("GenuineIntel", 576, None, True), ("AuthenticAMD", 576, None, False),
+                                     ("AuthenticAMD", 1536, None, False), ("AuthenticAMD", 2048, None, True),
+                                     ("AuthenticAMD", 576, "1", True), ("GenuineIntel", 8192, "0", False)):
         monkeypatch.setattr(cbuild, "cpu_vendor", lambda vendor=vendor: vendor)
         if env is None:
             monkeypatch.delenv("TESSERA_GEMV_SIDE_BY_SIDE", raising=False)
         else:
             monkeypatch.setenv("TESSERA_GEMV_SIDE_BY_SIDE", env)
         gemv_cpu.side_by_side.cache_clear()
-        assert gemv_cpu.side_by_side() is expected
+        assert gemv_cpu.side_by_side(K) is expected
     gemv_cpu.side_by_side.cache_clear()
 
 

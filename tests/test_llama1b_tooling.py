@@ -1,9 +1,12 @@
 """The 1B-class benchmark's tooling: `tessera bench make-llama1b` writes Llama 3.2 1B's
 architecture (here scaled down to 2 layers of hidden 256, the vocabulary and RoPE kept) as a
 checkpoint transformers and Tessera load, seeded and written once; `tessera bench roofline`
-counts the bytes one decode token reads as a hand count from the shapes does."""
+counts the bytes one decode token reads, and the FLOPs one token costs in the linears, as a hand
+count from the shapes does; bench/llama1b_results.py puts each round's runs against that round's
+roofs."""
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import math
@@ -16,7 +19,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from tessera.bench.llama1b import Shape, hf_config
-from tessera.bench.memory_roofline import roofline, stream_read_gbs, weight_bytes_per_token
+from tessera.bench.memory_roofline import linear_shapes, roofline, stream_read_gbs, weight_bytes_per_token
 from tessera.models.model_config import ModelConfig
 
 SMALL = dict(layers=2, hidden=256, heads=4, kv_heads=1, intermediate=1024)
@@ -99,6 +102,20 @@ def test_bytes_per_token_is_the_hand_count(small):
     by_hand = 2 * (layers * per_layer + h + vocab * h)     # bf16; the tied embedding once, as the head
     assert weight_bytes_per_token(small) == by_hand
     assert weight_bytes_per_token(small, "float32") == 2 * by_hand
+
+
+def test_the_linears_are_the_hand_count_and_their_flops_two_per_weight(small):
+    h, layers, q, kv, inter, vocab = 256, 2, 4 * 64, 64, 1024, 49152
+    by_hand = collections.Counter()          # (in, out) -> count: q, k, v, o, gate, up, down; the tied head once
+    for shape, count in (((h, q), layers), ((h, kv), 2 * layers), ((q, h), layers), ((h, inter), 2 * layers),
+                         ((inter, h), layers), ((h, vocab), 1)):
+        by_hand[shape] += count
+    assert linear_shapes(small) == by_hand
+    r = json.loads(tessera("bench", "roofline", "--model", str(small), "--bandwidth-gbs", "10", "--gemm-rows", "16",
+                           "--json"))
+    norms = 2 * (layers * 2 * h + h)           # bytes of the norm weights, which do no matmul
+    assert r["flop_per_token"] == weight_bytes_per_token(small) - norms     # 2 FLOPs per bf16 weight of 2 bytes
+    assert r["gemm_rows"] == 16 and math.isfinite(r["gemm_gflops"]) and r["gemm_gflops"] > 0
 
 
 def test_an_untied_embedding_is_not_counted(tmp_path):

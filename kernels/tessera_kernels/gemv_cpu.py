@@ -33,18 +33,24 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+# On AMD EPYC, weight rows at least this long (bf16 elements: 4 KiB) stream side by side too.
+AMD_SIDE_BY_SIDE_FROM_K = 2048
+
+
 @functools.cache
-def side_by_side() -> bool:
-    """Whether the kernel streams several weight rows side by side (csrc/gemv_bf16.c's COLUMNS(M):
-    four with AVX-512; with AVX2 4/2/1 for 1/2/3+ rows), several FMA chains in flight, or one at a
-    time, whichever each CPU kind ran faster on SmolLM2's one-row products with the weights coming
-    from memory: side by side on Intel Xeons, one at a time on AMD EPYC (where several streams from
-    memory get less bandwidth than one, although in cache they are faster). Other vendors get side
-    by side, untested. Both give the same bits. TESSERA_GEMV_SIDE_BY_SIDE=1|0 chooses instead."""
+def side_by_side(K: int) -> bool:
+    """Whether the kernel streams several weight rows of length K side by side (csrc/gemv_bf16.c's
+    COLUMNS(M): four with AVX-512; with AVX2 4/2/1 for 1/2/3+ rows), several FMA chains in flight,
+    or one at a time, whichever each CPU kind ran faster with the weights coming from memory:
+    side by side on Intel Xeons; on AMD EPYC one at a time for short rows (SmolLM2's K of 576
+    and 1536, where several streams from memory get less bandwidth than one) and side by side
+    from K = 2048 (a 1B model's 2048 and 8192, where one column's chain of K / 16 dependent FMAs
+    left the weights read at about three quarters of the side-by-side rate on Zen 4; the long
+    rows are untested on the AVX2-only Zen 2 and 3). Other vendors get side by side, untested. Both give the same bits. TESSERA_GEMV_SIDE_BY_SIDE=1|0 chooses instead."""
     chosen = os.environ.get("TESSERA_GEMV_SIDE_BY_SIDE")
     if chosen in ("0", "1"):
         return chosen == "1"
-    return cbuild.cpu_vendor() != "AuthenticAMD"
+    return cbuild.cpu_vendor() != "AuthenticAMD" or K >= AMD_SIDE_BY_SIDE_FROM_K
 
 
 def available() -> bool:
@@ -67,5 +73,5 @@ def gemv_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty(M, N, dtype=torch.bfloat16)
     b = None if bias is None else bias.contiguous()
     _library().gemv_bf16(x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
-                         M, N, K, torch.get_num_threads(), int(side_by_side()))
+                         M, N, K, torch.get_num_threads(), int(side_by_side(K)))
     return y

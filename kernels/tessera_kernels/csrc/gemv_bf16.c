@@ -16,7 +16,8 @@
 /* Weight rows streamed side by side (see columns), M x COLUMNS(M) accumulators in registers: 32
  * zmm registers with AVX-512; the AVX2 build's 16 lanes take two of its 16 ymm registers, so there
  * at most four accumulators (more spill). Whether side by side at all is the caller's choice
- * (gemv_cpu.side_by_side(), by the CPU's vendor): faster on Intel Xeons, slower on AMD EPYC. */
+ * (gemv_cpu.side_by_side(K), by the CPU's vendor and the row length): faster on Intel Xeons, and
+ * on AMD EPYC for long rows only. */
 #if defined(__AVX512F__)
 #define COLUMNS(M) 4
 #else
@@ -32,9 +33,10 @@
  * a variable they spill, and one row at a time then runs at half the memory's speed:
  * measured). Each accumulator is one column's own chain in the order of i, so the bits do not
  * depend on C; C chains side by side hide the FMA's latency, which one chain per column left
- * exposed on Intel Xeons (where C = 4 beats both 1 and 8). On AMD EPYC it is the other way
- * round: C = 1 is the fastest, one stream per column at the memory's speed, with or without the
- * prefetch, while several streams side by side get less of the bandwidth. */
+ * exposed on Intel Xeons (where C = 4 beats both 1 and 8). On AMD EPYC short rows go the other
+ * way: C = 1 is the fastest, one stream per column at the memory's speed, with or without the
+ * prefetch, while several streams side by side get less of the bandwidth; from 4 KiB rows on,
+ * one column's chain is too long to hide and C = 4 wins there too. */
 static inline __attribute__((always_inline))
 void columns(const v16 *xs, const uint16_t *w, const uint16_t *bias, uint16_t *y,
              const int M, const int C, int N, int K, int n) {

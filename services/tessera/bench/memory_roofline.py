@@ -8,10 +8,18 @@ the head; the input embedding is a gather of one row (negligible), so a tied emb
 once, as the head. The KV cache read is not counted (it grows with the context; at 128/128 it is
 small next to the weights). Bandwidth: a reduction over a buffer far larger than the caches, on
 `threads` cores, best of several passes. With --tpot-ms, the fraction measured / roofline (>= 1).
+
+With --gemm-rows R, the other roof too: the rate (GFLOP/s) at which this machine multiplies R rows
+by each of the checkpoint's linear weights (the head included, a tied one once) in the served
+dtype, and the FLOPs of one token through them. Past a dozen or so rows a step is bound by that
+rate, not by the memory: a run of many requests cannot end sooner than its tokens x
+flop_per_token / gemm_gflops, whatever the server (attention, a few percent at short contexts,
+is not counted).
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import pathlib
@@ -54,6 +62,45 @@ def weight_bytes_per_token(model_dir: str | pathlib.Path, dtype: str | None = No
     return total
 
 
+def linear_shapes(model_dir: str | pathlib.Path) -> collections.Counter:
+    """(in_features, out_features) -> how many of the checkpoint's linears have that shape: its
+    two-dimensional weights, the head once (a tied embedding as the head)."""
+    tensors = tensor_shapes(model_dir)
+    shapes = collections.Counter()
+    for name, (_, shape) in tensors.items():
+        if len(shape) == 2 and name.endswith(".weight") and not (name == EMBEDDING and HEAD in tensors):
+            shapes[shape[1], shape[0]] += 1
+    return shapes
+
+
+def gemm_rate(model_dir: str | pathlib.Path, rows: int, dtype: str = "bfloat16", threads: int = 2,
+              repeats: int = 10) -> dict:
+    """GFLOP/s of `rows` rows through every linear of the checkpoint in `dtype` (each distinct
+    shape timed alone, best of `repeats`, on random values: at this many rows the product is
+    bound by the arithmetic, so which weights and whether they are cached hardly matter), and
+    FLOPs per token (2 per weight)."""
+    import torch
+    import torch.nn.functional as F
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    width = getattr(torch, dtype)
+    try:
+        seconds = 0.0
+        for (K, N), count in linear_shapes(model_dir).items():
+            x, w = torch.randn(rows, K).to(width), torch.randn(N, K).to(width)
+            best = math.inf
+            for _ in range(repeats + 1):
+                start = time.perf_counter()
+                F.linear(x, w)
+                best = min(best, time.perf_counter() - start)
+            seconds += count * best
+    finally:
+        torch.set_num_threads(before)
+    flop_per_token = 2 * sum(K * N * count for (K, N), count in linear_shapes(model_dir).items())
+    return {"gemm_rows": rows, "gemm_gflops": round(flop_per_token * rows / seconds / 1e9, 1),
+            "flop_per_token": flop_per_token}
+
+
 def stream_read_gbs(gib: float = 1.0, threads: int = 2, repeats: int = 10) -> float:
     """GB/s (1e9 bytes) of reading `gib` GiB of float32 once (a sum, so nothing is written back),
     on `threads` threads, best of `repeats` passes after one that faults the pages in."""
@@ -94,16 +141,24 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="use this bandwidth instead of measuring it")
     p.add_argument("--gib", type=float, default=1.0, help="size of the buffer the bandwidth is read from")
     p.add_argument("--threads", type=int, default=2, help="threads reading it (the cores the server uses)")
+    p.add_argument("--gemm-rows", type=int, default=None,
+                   help="also measure the compute roof: the GEMM rate at this many rows (module docstring)")
     p.add_argument("--json", action="store_true")
 
 
 def main(a: argparse.Namespace) -> int:
     bandwidth = a.bandwidth_gbs or stream_read_gbs(a.gib, a.threads)
     r = roofline(a.model, bandwidth, a.tpot_ms, a.dtype) | {"threads": a.threads}
+    if a.gemm_rows:
+        r |= gemm_rate(a.model, a.gemm_rows, a.dtype or "bfloat16", a.threads)
     if a.json:
         print(json.dumps(r))
     else:
         line = (f"{r['weight_bytes_per_token'] / 1e9:.3f} GB of weights per token at {r['bandwidth_gbs']} GB/s: "
                 f"roofline TPOT {r['roofline_tpot_ms']} ms")
         print(line + (f"; measured {r['tpot_ms']} ms = {r['fraction']}x" if "fraction" in r else ""))
+        if "gemm_gflops" in r:
+            print(f"{r['flop_per_token'] / 1e9:.3f} GFLOP per token through the linears at {r['gemm_gflops']} GFLOP/s "
+                  f"({r['gemm_rows']} rows): at most {r['gemm_gflops'] * 1e9 / r['flop_per_token']:.0f} tokens/s "
+                  f"once a step is compute-bound")
     return 0
