@@ -46,7 +46,8 @@ def side_by_side(K: int) -> bool:
     and 1536, where several streams from memory get less bandwidth than one) and side by side
     from K = 2048 (a 1B model's 2048 and 8192, where one column's chain of K / 16 dependent FMAs
     left the weights read at about three quarters of the side-by-side rate on Zen 4; the long
-    rows are untested on the AVX2-only Zen 2 and 3). Other vendors get side by side, untested. Both give the same bits. TESSERA_GEMV_SIDE_BY_SIDE=1|0 chooses instead."""
+    rows are untested on the AVX2-only Zen 2 and 3). Other vendors get side by side, untested.
+    Both give the same bits. TESSERA_GEMV_SIDE_BY_SIDE=1|0 chooses instead."""
     chosen = os.environ.get("TESSERA_GEMV_SIDE_BY_SIDE")
     if chosen in ("0", "1"):
         return chosen == "1"
